@@ -1,0 +1,16 @@
+"""kvt: cross-model KV cache transfer, as a readable reference (arXiv 2608.03893).
+
+Stages, in the order data flows (a module never imports from a later one):
+  config, dist, rope, tokenizer, data, weights, cache, model   checkpoints and text -> models
+  toy                                                           a tiny trained family for offline use
+  capture, stats                                                position-free KV -> streamed statistics
+  ridge, mlp                                                    fit
+  mapper, handoff                                               apply a map, hand a context over
+  evals, bench                                                  measure retention and speed
+"""
+__version__ = "0.1.0"
+
+from kvt.config import KvtError, load_config, shape  # noqa: E402
+from kvt.model import build_model, generate, load_model  # noqa: E402
+from kvt.weights import save_model  # noqa: E402
+from kvt.tokenizer import load_tokenizer  # noqa: E402

@@ -1,0 +1,193 @@
+"""Model configuration: read a checkpoint's config.json exactly, or build one from a named shape.
+
+Three dense families share one decoder (see model.py); config.json tells them apart:
+  qwen3       Qwen3ForCausalLM      per-head RMSNorm on q and k before RoPE, head_dim given explicitly
+  llama       LlamaForCausalLM      "llama3" frequency scaling of RoPE (3.1: factor 8, 3.2: factor 32)
+  ministral3  Mistral3ForConditionalGeneration (text part only)  YaRN RoPE + query temperature past 16K
+
+Both transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) spellings are read.
+What kvt does not implement is refused with a one-line KvtError naming the key, never ignored.
+"""
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+class KvtError(Exception):
+    """A problem the user can fix; run.py prints it as one line and exits with code 2."""
+
+
+ARCHITECTURES = {  # config.json "architectures"[0] -> family
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "Mistral3ForConditionalGeneration": "ministral3",
+    "Ministral3ForCausalLM": "ministral3",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    family: str          # "qwen3" | "llama" | "ministral3"
+    vocab_size: int      # V
+    dim: int             # C, hidden_size
+    n_layers: int        # L
+    n_heads: int         # H
+    n_kv_heads: int      # Hkv
+    head_dim: int        # D, always from config.json when it is there
+    ffn_dim: int         # intermediate_size
+    norm_eps: float
+    rope: dict = field(default_factory=dict)  # rope_type, rope_theta and that type's parameters
+    tie_embeddings: bool = False
+    max_seq_len: int = 4096    # max_position_embeddings
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    prefix: str = "model."     # where the decoder's tensors live in the checkpoint
+
+    @property
+    def qk_norm(self):  # Qwen3 normalizes each head of q and k   <-- the one Qwen3 difference
+        return self.family == "qwen3"
+
+    def fingerprint(self):
+        """A short hash of everything that shapes the model's KV; two checkpoints of one model share it."""
+        keys = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "rope")
+        blob = json.dumps({k: asdict(self)[k] for k in keys}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_hf(self):
+        """The config.json transformers writes for this shape (5.x rope_parameters form)."""
+        arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "ministral3": "Ministral3ForCausalLM"}
+        return {
+            "architectures": [arch[self.family]], "model_type": self.family, "vocab_size": self.vocab_size,
+            "hidden_size": self.dim, "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim, "intermediate_size": self.ffn_dim,
+            "rms_norm_eps": self.norm_eps, "rope_parameters": dict(self.rope), "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_embeddings, "max_position_embeddings": self.max_seq_len,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "attention_bias": False, "mlp_bias": False,
+        }
+
+
+def _rope_params(c):
+    """The RoPE dict in 5.x form: {"rope_type", "rope_theta", ...type parameters}."""
+    p = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    if "type" in p and "rope_type" not in p:  # older spelling
+        p["rope_type"] = p.pop("type")
+    p.setdefault("rope_type", "default")
+    p.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    if p["rope_type"] not in ("default", "llama3", "yarn"):
+        raise KvtError(f"config.json: rope type {p['rope_type']!r} is not implemented (kvt has default, llama3, yarn)")
+    return p
+
+
+def config_from_dict(hf, context=None):
+    """Config from a parsed config.json. `context`: the longest sequence the caller plans to run."""
+    arch = (hf.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        raise KvtError(f"config.json: architecture {arch!r} is not supported (kvt has {', '.join(ARCHITECTURES)})")
+    family = ARCHITECTURES[arch]
+    c = hf.get("text_config", hf) if arch == "Mistral3ForConditionalGeneration" else hf
+    prefix = "model.language_model." if arch == "Mistral3ForConditionalGeneration" else "model."
+    for key in ("quantization_config",):
+        if key in hf or key in c:
+            raise KvtError(f"config.json: {key!r} is set; kvt loads unquantized (bf16/fp32) checkpoints only")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if c.get(key):
+            raise KvtError(f"config.json: {key!r} is set; mixture-of-experts models are not implemented")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise KvtError(f"config.json: {key!r} is true; kvt implements bias-free projections only")
+    if c.get("hidden_act", "silu") != "silu":
+        raise KvtError(f"config.json: hidden_act {c['hidden_act']!r} is not implemented (kvt has silu)")
+    window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+    if window and context and window < context:
+        raise KvtError(f"config.json: sliding_window {window} is shorter than the context {context}; "
+                       "kvt implements full attention only")
+    n_heads = c["num_attention_heads"]
+    return Config(
+        family=family, vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,  # Qwen3 and Ministral 3 give it explicitly
+        ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope=_rope_params(c),
+        tie_embeddings=hf.get("tie_word_embeddings", c.get("tie_word_embeddings", False)),
+        max_seq_len=c.get("max_position_embeddings", 4096),
+        bos_token_id=c.get("bos_token_id", hf.get("bos_token_id")),
+        eos_token_id=c.get("eos_token_id", hf.get("eos_token_id")), prefix=prefix)
+
+
+def download_hint(path):
+    """The command that fetches the checkpoint a folder name suggests (see weights/README.md)."""
+    name = Path(path).name
+    repo = SHAPES[name][0] if name in SHAPES else "<hub-repo>"
+    return f"hf download {repo} --local-dir {path}"
+
+
+def load_config(path, context=None):
+    """Config of the checkpoint folder `path` (its config.json)."""
+    f = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise KvtError(f"no checkpoint folder {path}; get it with: {download_hint(path)}")
+    if not f.exists():
+        raise KvtError(f"no config.json in {path}; is this a Hugging Face checkpoint folder? (see weights/README.md)")
+    try:
+        hf = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise KvtError(f"{f} is not valid JSON ({e}); download the checkpoint again")
+    return config_from_dict(hf, context)
+
+
+# Named shapes, transcribed from each model's published config.json (a loaded config.json always wins).
+# Hugging Face repo, then the shape. Used to build random-weight models for benchmarks and to check a
+# pair for matched KV before anything is downloaded.
+_QWEN3 = dict(family="qwen3", vocab_size=151936, n_kv_heads=8, head_dim=128, norm_eps=1e-6, max_seq_len=40960,
+              rope={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=None, eos_token_id=151645)
+_LLAMA31 = dict(family="llama", vocab_size=128256, n_kv_heads=8, head_dim=128, norm_eps=1e-5, max_seq_len=131072,
+                rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                bos_token_id=128000, eos_token_id=128001)
+_LLAMA32 = dict(_LLAMA31, rope=dict(_LLAMA31["rope"], factor=32.0), tie_embeddings=True)
+_MINISTRAL3 = dict(family="ministral3", vocab_size=131072, n_kv_heads=8, head_dim=128, norm_eps=1e-5,
+                   max_seq_len=262144, prefix="model.language_model.", bos_token_id=1, eos_token_id=2,
+                   rope={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                         "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
+SHAPES = {  # name: (hub repo, Config)
+    "qwen3-0.6b": ("Qwen/Qwen3-0.6B", Config(**_QWEN3, dim=1024, n_layers=28, n_heads=16, ffn_dim=3072, tie_embeddings=True)),
+    "qwen3-1.7b": ("Qwen/Qwen3-1.7B", Config(**_QWEN3, dim=2048, n_layers=28, n_heads=16, ffn_dim=6144, tie_embeddings=True)),
+    "qwen3-4b": ("Qwen/Qwen3-4B", Config(**_QWEN3, dim=2560, n_layers=36, n_heads=32, ffn_dim=9728, tie_embeddings=True)),
+    "qwen3-8b": ("Qwen/Qwen3-8B", Config(**_QWEN3, dim=4096, n_layers=36, n_heads=32, ffn_dim=12288)),
+    "qwen3-14b": ("Qwen/Qwen3-14B", Config(**_QWEN3, dim=5120, n_layers=40, n_heads=40, ffn_dim=17408)),
+    "qwen3-32b": ("Qwen/Qwen3-32B", Config(**_QWEN3, dim=5120, n_layers=64, n_heads=64, ffn_dim=25600)),
+    "llama3.1-8b": ("meta-llama/Llama-3.1-8B", Config(**_LLAMA31, dim=4096, n_layers=32, n_heads=32, ffn_dim=14336)),
+    "llama3.1-70b": ("meta-llama/Llama-3.1-70B", Config(**_LLAMA31, dim=8192, n_layers=80, n_heads=64, ffn_dim=28672)),
+    "llama3.2-1b": ("meta-llama/Llama-3.2-1B", Config(**dict(_LLAMA32, head_dim=64), dim=2048, n_layers=16, n_heads=32, ffn_dim=8192)),
+    "llama3.2-3b": ("meta-llama/Llama-3.2-3B", Config(**_LLAMA32, dim=3072, n_layers=28, n_heads=24, ffn_dim=8192)),
+    "ministral3-3b": ("mistralai/Ministral-3-3B-Base-2512", Config(**_MINISTRAL3, dim=3072, n_layers=26, n_heads=32, ffn_dim=9216, tie_embeddings=True)),
+    "ministral3-8b": ("mistralai/Ministral-3-8B-Base-2512", Config(**_MINISTRAL3, dim=4096, n_layers=34, n_heads=32, ffn_dim=14336)),
+    "ministral3-14b": ("mistralai/Ministral-3-14B-Base-2512", Config(**_MINISTRAL3, dim=5120, n_layers=40, n_heads=32, ffn_dim=16384)),
+}
+
+
+def shape(name):
+    """The Config of a named shape, e.g. shape("qwen3-0.6b")."""
+    if name not in SHAPES:
+        raise KvtError(f"unknown model {name!r}; known: {', '.join(SHAPES)}")
+    return SHAPES[name][1]
+
+
+def parse_pair(pair):
+    """'qwen3-14b:32b' -> ('qwen3-14b', 'qwen3-32b'); the target may also be spelled in full."""
+    if pair.count(":") != 1:
+        raise KvtError(f"--pair {pair!r}: expected FAMILY-SRC:TGT, e.g. qwen3-14b:32b")
+    src, tgt = pair.split(":")
+    if "-" not in tgt:
+        tgt = src.rsplit("-", 1)[0] + "-" + tgt
+    return src, tgt
+
+
+def check_matched_kv(src, tgt, scope="head"):
+    """Head scope maps head h to head h: the pair must share the KV-head count and head dim."""
+    if scope == "head" and (src.n_kv_heads, src.head_dim) != (tgt.n_kv_heads, tgt.head_dim):
+        raise KvtError(f"not a matched-KV pair: source has {src.n_kv_heads} KV heads x {src.head_dim}, target "
+                       f"{tgt.n_kv_heads} x {tgt.head_dim}; use --scope layer, which maps across shapes")
+

@@ -1,0 +1,211 @@
+"""One decoder for three families: Qwen3, Llama 3 and Ministral 3 (dense, full attention, no biases).
+
+    logits, cache = model(input_ids)               # prefill: (B, T) -> (B, T, V), Cache of T slots
+    logits, cache = model(next_ids, cache=cache)   # continue from any Cache, e.g. a transferred one
+
+They are the same pre-norm transformer (RMSNorm, GQA attention with RoPE, SwiGLU MLP) and differ in
+three places, each marked with `<-- difference` below:
+  1. Qwen3 applies an RMSNorm to every head of q and k before RoPE (q_norm, k_norm);
+  2. RoPE frequencies: default (Qwen3), "llama3" scaling (Llama 3.1/3.2), YaRN (Ministral 3), see rope.py;
+  3. Ministral 3 multiplies queries by a temperature that grows past 16K positions.
+Module names follow the checkpoint's tensor names, so weights.py loads them without renaming.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kvt import rope
+from kvt.cache import Cache, empty
+from kvt.config import Config, KvtError, load_config, shape
+from kvt.weights import load_weights
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()  # normalize in float32, as the reference does
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+        self.q_proj = nn.Linear(C, H * D, bias=False)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+        if cfg.qk_norm:  # <-- difference 1: Qwen3 normalizes each head of q and k
+            self.q_norm = RMSNorm(D, cfg.norm_eps)
+            self.k_norm = RMSNorm(D, cfg.norm_eps)
+        self.H, self.Hkv, self.D = H, Hkv, D
+
+    def forward(self, x, cos, sin, temperature, past_k, past_v, attn_mask):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.D)     # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.Hkv, self.D)   # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, self.Hkv, self.D)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|Hkv, T, D)
+        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)           # <-- difference 2 (in cos, sin)
+        if temperature is not None:                                         # <-- difference 3: Ministral 3
+            q = q * temperature.to(q.dtype)
+        if past_k is not None:  # the cache update: append this step's keys and values
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # (B, Hkv, S, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                           enable_gqa=self.H != self.Hkv)   # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.H * self.D)               # (B, T, H*D)
+        return self.o_proj(y), q, k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, *attn_args):
+        a, q, k, v = self.self_attn(self.input_layernorm(x), *attn_args)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), q, k, v
+
+
+class Decoder(nn.Module):  # the checkpoint's "model." prefix
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie()
+        self.inv_freq, self.rope_scale = rope.frequencies(cfg)  # plain tensors, not state: (D/2,), float
+
+    def tie(self):
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None):
+        """input_ids (B, T) long; cache: a Cache to continue from; mask (B, T) bool, False = left padding;
+        positions (B, T) long: RoPE positions of these tokens (default: count on from the cache).
+        Returns logits (B, T, V) and a new Cache holding the old slots plus these T."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
+        mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
+        if cache.positions.shape[1]:  # next position: one past the last real slot of each row
+            start = cache.positions.masked_fill(~cache.mask, -1).amax(1, keepdim=True) + 1  # (B, 1)
+        else:
+            start = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        pos = (start + mask.long().cumsum(1) - 1).clamp(min=0) if positions is None else positions  # (B, T)
+        positions, key_mask = torch.cat([cache.positions, pos], 1), torch.cat([cache.mask, mask], 1)
+        if len(positions[0]) > self.config.max_seq_len:
+            raise KvtError(f"context of {len(positions[0])} tokens exceeds the model's "
+                           f"max_position_embeddings {self.config.max_seq_len}; shorten it")
+        attn_mask = None  # None: plain causal prefill, the fast path
+        if len(cache) or not mask.all():
+            S = positions.shape[1]
+            i = torch.arange(len(cache), S, device=dev)[:, None]   # (T, 1) query slots
+            j = torch.arange(S, device=dev)[None]                  # (1, S) key slots
+            attn_mask = ((j <= i) & key_mask[:, None]) | (j == i)  # (B, T, S); a pad still sees itself
+            attn_mask = attn_mask[:, None]                         # (B, 1, T, S)
+
+        x = self.model.embed_tokens(input_ids)                     # (B, T, C)
+        cos, sin = rope.cos_sin(pos, self.inv_freq, self.rope_scale, x.dtype)  # (B, 1, T, D)
+        temperature = rope.query_temperature(self.config, pos)     # (B, 1, T, 1) or None
+        keys, values, qs = [], [], []
+        for l, block in enumerate(self.model.layers):
+            d = block.input_layernorm.weight.device  # layers may live on different devices (see dist.py)
+            x = x.to(d)
+            m = attn_mask.to(d) if attn_mask is not None else None
+            t = temperature.to(d) if temperature is not None else None
+            x, q, k, v = block(x, cos.to(d), sin.to(d), t, cache.keys[l], cache.values[l], m)
+            keys.append(k)
+            values.append(v)
+            qs.append(q)
+        x = self.model.norm(x.to(self.lm_head.weight.device))
+        logits = self.lm_head(x)                                   # (B, T, V)
+        return logits, Cache(keys, values, positions, key_mask, qs if queries else None)
+
+
+def _materialize(cfg, dtype, device):
+    """The model's parameters allocated once, in dtype, on device (uninitialized)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie()  # to_empty makes fresh tensors; tie them again
+    return model.eval().requires_grad_(False)
+
+
+def load_model(path, dtype=torch.float32, device="cpu", context=None):
+    """The checkpoint folder `path` (config.json + safetensors) as a Transformer in dtype on device."""
+    cfg = load_config(path, context)
+    model = _materialize(cfg, dtype, device)
+    load_weights(model, path)
+    return model
+
+
+@torch.no_grad()
+def build_model(cfg, dtype=torch.float32, device="cpu", seed=0, std=0.02):
+    """Random weights from a Config or a named shape ("qwen3-0.6b"): for benchmarks and tests."""
+    cfg = shape(cfg) if isinstance(cfg, str) else cfg
+    model = _materialize(cfg, dtype, device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:  # drawn on CPU so a seed means the same weights on every device
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+@torch.no_grad()
+def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=None):
+    """Greedy decoding from a prefilled state: `logits` (B, V) are the last position's, `cache` holds
+    the context. Stops a row at a token in stop_ids or once decode(row tokens) contains a stop string.
+    Returns a list of B token lists (stop strings and stop tokens cut off when decode is given)."""
+    B = logits.shape[0]
+    out = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        nxt = logits.argmax(-1)                                    # (B,)
+        for b in range(B):
+            if done[b]:
+                continue
+            tok = nxt[b].item()
+            if tok in stop_ids:
+                done[b] = True
+                continue
+            out[b].append(tok)
+            if stop and decode and any(s in decode(out[b]) for s in stop):
+                done[b] = True
+        if done.all():
+            break
+        logits, cache = model(nxt[:, None], cache=cache)
+        logits = logits[:, -1]
+    return out

@@ -1,0 +1,51 @@
+"""Tokenizer: the checkpoint's tokenizer.json through the `tokenizers` library.
+
+The family's BOS handling comes from tokenizer.json itself: its post-processor adds
+<|begin_of_text|> for Llama 3 and nothing for Qwen3, so encode(text) matches what the model was
+trained on. Continuations that follow a context are encoded with special=False.
+"""
+import hashlib
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from kvt.config import KvtError
+
+
+class Tokenizer:
+    def __init__(self, path):
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.exists():
+            raise KvtError(f"no tokenizer.json at {path}; the checkpoint folder should contain one")
+        self.tok = _HFTokenizer.from_file(str(file))
+        extra = file.with_name("tokenizer_config.json")
+        conf = json.loads(extra.read_text()) if extra.exists() else {}
+        self.bos_id = self._special_id(conf.get("bos_token"))
+        self.eos_id = self._special_id(conf.get("eos_token"))
+
+    def _special_id(self, token):
+        token = token.get("content") if isinstance(token, dict) else token
+        return self.tok.token_to_id(token) if token else None
+
+    def encode(self, text, special=True):
+        """text -> token ids; special=True adds what the family's post-processor adds (Llama 3: BOS)."""
+        return self.tok.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def vocab_size(self):
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def fingerprint(self):
+        """A hash of the vocabulary: two models can share KV only if they read text the same way."""
+        vocab = sorted(self.tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def load_tokenizer(path):
+    """The tokenizer of a checkpoint folder (or a tokenizer.json path)."""
+    return Tokenizer(path)

@@ -1,0 +1,91 @@
+"""Load a Hugging Face safetensors checkpoint (one file or sharded) into a model, tensor by tensor.
+
+Each tensor is read from its memory-mapped file straight into the parameter it belongs to, cast to
+the model's dtype on the way, so loading never holds a second full copy of the model. Names are the
+checkpoint's own (model.py's modules follow them); the only renames live in `LAYOUTS`.
+"""
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvt.config import KvtError, download_hint
+
+
+def shard_files(path):
+    """{tensor name: file} for a checkpoint folder, from model.safetensors.index.json or model.safetensors."""
+    path = Path(path)
+    if not path.is_dir():
+        raise KvtError(f"no checkpoint folder {path}; get it with: {download_hint(path)}")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
+        if missing:
+            raise KvtError(f"{path}: shard {missing[0]} is missing ({len(missing)} of "
+                           f"{len(set(weight_map.values()))}); download again with: {download_hint(path)}")
+        return {name: path / f for name, f in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise KvtError(f"{path} has no model.safetensors (nor an index); get it with: {download_hint(path)}")
+    return {name: single for name in _open(single).keys()}
+
+
+def _open(file):
+    try:
+        return safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise KvtError(f"{file} is unreadable or truncated ({e}); download it again")
+
+
+LAYOUTS = {  # cfg.prefix -> the (decoder prefix, lm_head name) pairs a checkpoint may use, in order
+    "model.": [("model.", "lm_head.weight")],
+    "model.language_model.": [("model.language_model.", "lm_head.weight"),            # Ministral 3 on the hub
+                              ("language_model.model.", "language_model.lm_head.weight")],  # older multimodal layout
+}
+
+
+def checkpoint_names(cfg, name):
+    """kvt parameter name -> the checkpoint tensor names it may be stored under."""
+    if name == "lm_head.weight":
+        return [head for _, head in LAYOUTS[cfg.prefix]]
+    return [prefix + name.removeprefix("model.") for prefix, _ in LAYOUTS[cfg.prefix]]
+
+
+@torch.no_grad()
+def load_weights(model, path):
+    """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens)."""
+    files = shard_files(path)
+    handles = {}
+    for name, param in model.named_parameters():
+        keys = [k for k in checkpoint_names(model.config, name) if k in files]
+        if not keys:
+            raise KvtError(f"{path}: tensor {checkpoint_names(model.config, name)[0]} is missing from the "
+                           "checkpoint; is it the right model?")
+        key = keys[0]
+        f = files[key]
+        if f not in handles:
+            handles[f] = _open(f)
+        try:
+            tensor = handles[f].get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise KvtError(f"{f}: cannot read {key} ({e}); the file is truncated, download it again")
+        if tensor.shape != param.shape:
+            raise KvtError(f"{path}: {key} has shape {tuple(tensor.shape)}, config.json implies "
+                           f"{tuple(param.shape)}; config and weights do not match")
+        param.copy_(tensor)
+
+
+def save_model(model, path):
+    """Write `model` as a Hugging Face checkpoint folder: config.json + model.safetensors (atomically)."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    tensors = {checkpoint_names(cfg, n)[0]: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, tmp, {"format": "pt"})  # tied lm_head is not a separate parameter, so not saved
+    tmp.replace(path / "model.safetensors")
+    (path / "config.json.tmp").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    (path / "config.json.tmp").replace(path / "config.json")

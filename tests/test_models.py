@@ -1,0 +1,204 @@
+"""kvt's three families against transformers: logits and every layer's K and V, prefill and continuation.
+
+The tiny checkpoints and transformers' outputs live in tests/golden (made by make_golden.py), so the
+check runs without transformers; where transformers is installed it is also recomputed live.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import kvt
+from kvt.config import KvtError, config_from_dict, parse_pair, check_matched_kv, shape
+
+GOLDEN = Path(__file__).parent / "golden"
+CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "expected.safetensors").exists())
+PREFILL = 16
+
+
+def assert_close(actual, expected, what, atol=1e-4):
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= atol, f"{what}: max abs error {err:.2e} > {atol:.0e}"
+
+
+def kvt_outputs(model, ids):
+    """kvt's logits for ids: prefill PREFILL tokens, then continue from the cache."""
+    logits1, cache = model(ids[:, :PREFILL])
+    logits2, cache = model(ids[:, PREFILL:], cache=cache)
+    return torch.cat([logits1, logits2], 1), cache
+
+
+def check(model, expected, ids):
+    logits, cache = kvt_outputs(model, ids)
+    assert_close(logits, expected["logits"], "logits")
+    for l in range(model.config.n_layers):
+        assert_close(cache.keys[l], expected[f"keys.{l}"], f"layer {l} keys")
+        assert_close(cache.values[l], expected[f"values.{l}"], f"layer {l} values")
+
+
+def test_cases_present():
+    assert {"qwen3", "llama3-factor8", "llama3-factor32-tied", "ministral3-yarn", "mistral3-multimodal"} <= set(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_golden(case):
+    expected = load_file(GOLDEN / case / "expected.safetensors")
+    check(kvt.load_model(GOLDEN / case), expected, expected["ids"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_transformers_live(case, tmp_path):
+    pytest.importorskip("transformers")
+    import sys
+    sys.path.insert(0, str(GOLDEN))
+    import make_golden
+    model = make_golden.hf_model(case)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(7))
+    expected = make_golden.hf_outputs(model, ids)
+    model.save_pretrained(tmp_path)
+    check(kvt.load_model(tmp_path), expected, ids)
+
+
+def test_query_temperature_is_exercised():
+    """The Ministral case runs past original_max_position_embeddings (16), where queries get hotter."""
+    cfg = kvt.load_config(GOLDEN / "ministral3-yarn")
+    assert cfg.rope["original_max_position_embeddings"] < 24
+    t = kvt.rope.query_temperature(cfg, torch.arange(24)[None])
+    assert t[0, 0, 0, 0] == 1 and t[0, 0, -1, 0] > 1
+
+
+def test_left_padding_matches_unpadded():
+    model = kvt.load_model(GOLDEN / "qwen3")
+    ids = torch.randint(0, 96, (1, 10))
+    alone, _ = model(ids)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask = torch.tensor([[False] * 3 + [True] * 10])
+    logits, cache = model(padded, mask=mask)
+    assert_close(logits[:, 3:], alone, "left-padded logits")
+    assert cache.positions[0, 3:].tolist() == list(range(10))
+    more, _ = model(ids[:, :2], cache=cache)  # continuing a padded row
+    ref, _ = model(torch.cat([ids, ids[:, :2]], 1))
+    assert_close(more, ref[:, 10:], "continuation after padding")
+
+
+def test_bf16_close_to_fp32():
+    ids = torch.randint(0, 96, (1, 16))
+    ref, _ = kvt.load_model(GOLDEN / "llama3-factor8")(ids)
+    out, cache = kvt.load_model(GOLDEN / "llama3-factor8", dtype=torch.bfloat16)(ids)
+    assert out.dtype == cache.keys[0].dtype == torch.bfloat16
+    assert_close(out, ref, "bf16 logits", atol=0.15 * ref.abs().max().item())
+
+
+def test_generate_greedy_matches_argmax_loop():
+    model = kvt.load_model(GOLDEN / "qwen3")
+    ids = torch.randint(0, 96, (1, 5))
+    logits, cache = model(ids)
+    out = kvt.generate(model, logits[:, -1], cache, max_new_tokens=6)[0]
+    seq = ids
+    for _ in range(6):  # the slow way: rerun the whole sequence each step
+        seq = torch.cat([seq, model(seq)[0][:, -1:].argmax(-1)], 1)
+    assert out == seq[0, 5:].tolist()
+    stopped = kvt.generate(model, logits[:, -1], cache, 6, stop_ids={out[2]})[0]
+    assert stopped == out[:out.index(out[2])]
+
+
+# ---- config and weights: every bad input is one line that says what to do ----
+
+def hf_config(**kw):
+    return {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "intermediate_size": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 1e6, **kw}
+
+
+def test_head_dim_from_config_not_derived():
+    assert config_from_dict(hf_config()).head_dim == 128
+
+
+def test_rope_4x_and_5x_forms_agree():
+    old = config_from_dict(hf_config(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}))
+    new = config_from_dict(hf_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                      "original_max_position_embeddings": 8}))
+    assert old.rope == new.rope
+
+
+@pytest.mark.parametrize("extra,key", [
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"num_experts": 8}, "num_experts"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
+    ({"rope_scaling": {"rope_type": "longrope"}}, "longrope"),
+])
+def test_refuses_what_is_not_implemented(extra, key):
+    with pytest.raises(KvtError, match=key):
+        config_from_dict(hf_config(**extra))
+
+
+def test_refuses_short_sliding_window():
+    with pytest.raises(KvtError, match="sliding_window"):
+        config_from_dict(hf_config(sliding_window=64, use_sliding_window=True), context=1024)
+    config_from_dict(hf_config(sliding_window=64, use_sliding_window=False), context=1024)
+
+
+def test_overlong_context_refused():
+    model = kvt.load_model(GOLDEN / "qwen3")
+    with pytest.raises(KvtError, match="max_position_embeddings"):
+        model(torch.zeros(1, model.config.max_seq_len + 1, dtype=torch.long))
+
+
+def test_missing_folder_names_download_command(tmp_path):
+    with pytest.raises(KvtError, match="hf download Qwen/Qwen3-14B"):
+        kvt.load_model(tmp_path / "qwen3-14b")
+
+
+def test_truncated_and_missing_shards(tmp_path):
+    src = GOLDEN / "qwen3"
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    data = (src / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(KvtError, match="truncated|unreadable"):
+        kvt.load_model(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(KvtError, match="shard model-00001-of-00002.safetensors is missing"):
+        kvt.load_model(tmp_path)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    from safetensors.torch import load_file as load, save_file
+    tensors = load(GOLDEN / "qwen3" / "model.safetensors")
+    names = sorted(tensors)
+    halves = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, tmp_path / file)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, ks in halves.items() for k in ks}}))
+    (tmp_path / "config.json").write_text((GOLDEN / "qwen3" / "config.json").read_text())
+    ids = torch.randint(0, 96, (1, 8))
+    assert torch.equal(kvt.load_model(tmp_path)(ids)[0], kvt.load_model(GOLDEN / "qwen3")(ids)[0])
+
+
+def test_shape_mismatch(tmp_path):
+    cfg = json.loads((GOLDEN / "qwen3" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 50}))
+    (tmp_path / "model.safetensors").write_bytes((GOLDEN / "qwen3" / "model.safetensors").read_bytes())
+    with pytest.raises(KvtError, match="shape"):
+        kvt.load_model(tmp_path)
+
+
+def test_save_model_roundtrip(tmp_path):
+    model = kvt.build_model(shape("qwen3-0.6b").__class__(**{**kvt.load_config(GOLDEN / "qwen3").__dict__, "tie_embeddings": True}), seed=3)
+    kvt.save_model(model, tmp_path)
+    ids = torch.randint(0, 96, (1, 8))
+    assert torch.equal(kvt.load_model(tmp_path)(ids)[0], model(ids)[0])
+
+
+def test_named_pairs_checked_before_download():
+    assert parse_pair("qwen3-14b:32b") == ("qwen3-14b", "qwen3-32b")
+    check_matched_kv(shape("qwen3-14b"), shape("qwen3-32b"))
+    check_matched_kv(shape("llama3.1-8b"), shape("llama3.1-70b"))
+    with pytest.raises(KvtError, match="matched-KV"):
+        check_matched_kv(shape("llama3.2-1b"), shape("llama3.1-8b"))  # head dim 64 vs 128
+    with pytest.raises(KvtError, match="unknown model"):
+        shape("qwen3-15b")
