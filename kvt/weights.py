@@ -1,7 +1,8 @@
 """Load a Hugging Face safetensors checkpoint (one file or sharded) into a model, tensor by tensor.
 
-Each tensor is read from its memory-mapped file straight into the parameter it belongs to, cast to
-the model's dtype on the way, so loading never holds a second full copy of the model. Names are the
+Each tensor is read from its memory-mapped file straight into the parameter it belongs to, a block
+of rows at a time, cast to the model's dtype on the way: loading never holds a second copy of the
+model, nor of its largest tensor (SmolLM2's embedding is a fifth of the model). Names are the
 checkpoint's own (model.py's modules follow them); the only renames live in `LAYOUTS`.
 """
 import json
@@ -53,6 +54,13 @@ def checkpoint_names(cfg, name):
     return [prefix + name.removeprefix("model.") for prefix, _ in LAYOUTS[cfg.prefix]]
 
 
+def _copy_in_chunks(param, src, chunk_bytes=8 << 20):
+    """param <- src (a safetensors slice), a block of rows at a time: no full-size temporary is held."""
+    step = max(1, chunk_bytes // (param[0].numel() * 4))
+    for i in range(0, param.shape[0], step):
+        param[i:i + step].copy_(src[i:i + step])
+
+
 @torch.no_grad()
 def load_weights(model, path):
     """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens)."""
@@ -68,13 +76,13 @@ def load_weights(model, path):
         if f not in handles:
             handles[f] = _open(f)
         try:
-            tensor = handles[f].get_tensor(key)
+            src = handles[f].get_slice(key)
+            if tuple(src.get_shape()) != tuple(param.shape):
+                raise KvtError(f"{path}: {key} has shape {tuple(src.get_shape())}, config.json implies "
+                               f"{tuple(param.shape)}; config and weights do not match")
+            _copy_in_chunks(param, src)
         except (SafetensorError, OSError) as e:
             raise KvtError(f"{f}: cannot read {key} ({e}); the file is truncated, download it again")
-        if tensor.shape != param.shape:
-            raise KvtError(f"{path}: {key} has shape {tuple(tensor.shape)}, config.json implies "
-                           f"{tuple(param.shape)}; config and weights do not match")
-        param.copy_(tensor)
 
 
 def save_model(model, path):
@@ -85,7 +93,7 @@ def save_model(model, path):
     cfg = model.config
     tensors = {checkpoint_names(cfg, n)[0]: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
     tmp = path / "model.safetensors.tmp"
-    save_file(tensors, tmp, {"format": "pt"})  # tied lm_head is not a separate parameter, so not saved
+    save_file(tensors, tmp, {"format": "pt"})  # a tied lm_head is not a separate parameter, so not saved
     tmp.replace(path / "model.safetensors")
     (path / "config.json.tmp").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     (path / "config.json.tmp").replace(path / "config.json")

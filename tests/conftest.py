@@ -3,7 +3,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
+import kvt
 from kvt.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,3 +31,47 @@ def smollm2():
     if not (SMOLLM2 / "model.safetensors").exists():
         pytest.skip(f"no {SMOLLM2}/model.safetensors; build it: python {SHARED}/tools/smollm2.py {SMOLLM2}")
     return SMOLLM2
+
+
+# ---- mapper fixtures (issue 3) -------------------------------------------------------------------------
+
+def plane_rotation(angles):
+    """(D, D) rotation by angles[i] in each RoPE plane (i, i + D/2): it commutes with RoPE."""
+    half = len(angles)
+    c, s = angles.cos(), angles.sin()
+    R = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
+    i = torch.arange(half)
+    R[i, i], R[i, i + half], R[i + half, i], R[i + half, i + half] = c, -s, s, c
+    return R
+
+
+@torch.no_grad()
+def function_preserving_twin(model, seed=0):
+    """A model computing the same function as `model` whose KV is a different, exact linear function of it.
+
+    Per layer and KV head h: values mixed by an invertible M_h (undone in o_proj), and q and k rotated
+    by R_h within each RoPE plane (q.k unchanged; R_h commutes with RoPE, and with Qwen3's q/k RMSNorm
+    when its weights are equal within each plane, as build_model's are). So the twin's position-free
+    K is R_h k and its V is M_h v: a head-scope mapper can reproduce its cache exactly."""
+    cfg = model.config
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(seed)
+    sd = {name: t.double().clone() for name, t in model.state_dict().items()}
+    for l in range(cfg.n_layers):
+        p = f"model.layers.{l}.self_attn."
+        for name in ("q_norm.weight", "k_norm.weight"):
+            if p + name in sd:
+                assert torch.equal(sd[p + name][:D // 2], sd[p + name][D // 2:]), "norm weights must pair up"
+        for h in range(Hkv):
+            M = torch.eye(D, dtype=torch.float64) + 0.3 * torch.randn(D, D, generator=g, dtype=torch.float64) / D ** 0.5
+            R = plane_rotation(torch.rand(D // 2, generator=g, dtype=torch.float64) * 6.283)
+            rows = slice(h * D, (h + 1) * D)
+            sd[p + "v_proj.weight"][rows] = M @ sd[p + "v_proj.weight"][rows]
+            sd[p + "k_proj.weight"][rows] = R @ sd[p + "k_proj.weight"][rows]
+            for i in range(h * H // Hkv, (h + 1) * H // Hkv):               # the query heads of KV head h
+                q = slice(i * D, (i + 1) * D)
+                sd[p + "q_proj.weight"][q] = R @ sd[p + "q_proj.weight"][q]
+                sd[p + "o_proj.weight"][:, q] = sd[p + "o_proj.weight"][:, q] @ torch.linalg.inv(M)
+    twin = kvt.build_model(cfg, dtype=next(model.parameters()).dtype)
+    twin.load_state_dict({name: t.to(twin.state_dict()[name].dtype) for name, t in sd.items()})
+    return twin

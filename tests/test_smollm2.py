@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kvt
-from tests.conftest import SHARED
+from tests.conftest import ROOT, SHARED
 
 PARAGRAPH = ("The quick brown fox jumps over the lazy dog. Paris is the capital and most populous city of "
              "France. It is located on the Seine River, in the north of the country.")
@@ -53,3 +53,33 @@ def test_real_tokenizers(name, hello):
     text = "Cross-model KV transfer: 7 × 8 = 56, naïve café, 日本語, tabs\tand\nnewlines."
     assert tok.decode(tok.encode(text, special=False)) == text
     assert tok.fingerprint() != kvt.load_tokenizer(SHARED / "tokenizers" / ("llama3" if name == "qwen3" else "qwen3")).fingerprint()
+
+
+PEAK_SCRIPT = """
+import sys, threading, time, torch, kvt
+def anon():  # resident anonymous memory: what loading allocates (the mapped file's pages are not counted)
+    for line in open('/proc/self/status'):
+        if line.startswith('RssAnon:'):
+            return int(line.split()[1]) * 1024
+peak, done = [anon()], []
+def watch():
+    while not done:
+        peak.append(anon()); time.sleep(0.0005)
+kvt.load_model(sys.argv[3], dtype=getattr(torch, sys.argv[2]))  # warm-up: torch's one-time allocations
+base = anon(); threading.Thread(target=watch, daemon=True).start()
+model = kvt.load_model(sys.argv[1], dtype=getattr(torch, sys.argv[2]))
+done.append(1); time.sleep(0.01)
+size = sum(p.numel() * p.element_size() for p in model.parameters())
+print((max(peak) - base) / size)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loading_peak_memory(smollm2, dtype):
+    """Loading holds at most ~1.2x the model's size in its dtype: no second copy of the weights."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(smollm2), dtype, str(ROOT / "tests" / "golden" / "qwen3")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ratio = float(out.stdout.strip().splitlines()[-1])
+    assert ratio <= 1.2, f"peak memory while loading is {ratio:.2f}x the model's size"

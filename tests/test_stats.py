@@ -1,0 +1,130 @@
+"""stats.py: streamed sums equal the batch computation, resume is bit-identical, the memory plan adds up."""
+import pytest
+import torch
+from conftest import tiny_config
+
+import kvt
+from kvt.capture import capture, features
+from kvt.config import KvtError, shape
+from kvt.mapper import calibrate
+from kvt.stats import FIELDS, accumulate, held_out, load_stats, memory_plan, new_stats, save_stats
+
+
+@pytest.fixture(scope="module")
+def pair():
+    src = kvt.build_model(tiny_config("llama", n_layers=3), seed=1)
+    tgt = kvt.build_model(tiny_config("llama", n_layers=2, dim=96, n_heads=6, ffn_dim=160), seed=2)
+    ids = torch.randint(0, 128, (10, 24), generator=torch.Generator().manual_seed(0))
+    return src, tgt, ids
+
+
+def all_equal(a, b):
+    return all(torch.equal(getattr(a.sums[n], f), getattr(b.sums[n], f)) for n in a.sums for f in FIELDS)
+
+
+@pytest.mark.parametrize("scope", ["head", "layer"])
+def test_streamed_statistics_equal_the_batch_computation(pair, scope):
+    src, tgt, ids = pair
+    stats = accumulate(src, tgt, ids, new_stats(src.config, tgt.config, scope), batch_size=3, progress=False)
+    n_fit = len(ids) - held_out(len(ids))
+    for split, rows in (("fit", slice(0, n_fit)), ("held", slice(n_fit, None))):
+        s, t = capture(src, ids[rows]), capture(tgt, ids[rows])             # everything in one batch
+        for i, kind in enumerate("kv"):
+            x = features(s[i], scope).flatten(2).double()                      # (G, N, F)
+            y = features(t[i], scope).flatten(2).double()                      # (G, N, O)
+            got = stats.part(kind, split)
+            expected = {"xx": x.transpose(1, 2) @ x, "xy": x.transpose(1, 2) @ y, "sx": x.sum(1),
+                        "sy": y.sum(1), "syy": (y * y).sum(1), "n": torch.tensor(float(x.shape[1]))}
+            for f, e in expected.items():
+                err = (getattr(got, f) - e).abs().max().item()
+                assert err <= 1e-9 * (1 + e.abs().max().item()), f"{kind}.{split}.{f}: max abs error {err:.2e}"
+
+
+class Interrupted(Exception):
+    pass
+
+
+class DiesAfter:
+    """A model that raises after `calls` forward passes: an interrupted calibration."""
+    def __init__(self, model, calls):
+        self.model, self.calls = model, calls
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kw):
+        self.calls -= 1
+        if self.calls < 0:
+            raise Interrupted
+        return self.model(*args, **kw)
+
+
+def test_resume_is_bit_identical(pair, tmp_path):
+    src, tgt, ids = pair
+    whole = accumulate(src, tgt, ids, new_stats(src.config, tgt.config, "head"), batch_size=2, progress=False)
+    path = tmp_path / "stats.safetensors"
+    with pytest.raises(Interrupted):
+        accumulate(DiesAfter(src, 3), tgt, ids, new_stats(src.config, tgt.config, "head"), 2, path, every=1, progress=False)
+    assert load_stats(path).seen == 6                                        # three batches of two were saved
+    resumed = accumulate(src, tgt, ids, new_stats(src.config, tgt.config, "head"), 2, path, every=1, progress=False)
+    assert resumed.seen == len(ids) and all_equal(resumed, whole)
+    assert all_equal(load_stats(path), whole)
+
+
+def test_resume_refuses_other_data_or_plan(pair, tmp_path):
+    src, tgt, ids = pair
+    path = tmp_path / "stats.safetensors"
+    accumulate(src, tgt, ids[:4], new_stats(src.config, tgt.config, "head"), path=path, progress=False)
+    with pytest.raises(KvtError, match="other calibration ids"):
+        accumulate(src, tgt, ids, new_stats(src.config, tgt.config, "head"), path=path, progress=False)
+    with pytest.raises(KvtError, match="another calibration plan"):
+        accumulate(src, tgt, ids[:4], new_stats(src.config, tgt.config, "layer"), path=path, progress=False)
+
+
+def test_statistics_add_like_tensors(pair):
+    """Two halves of the data, added, equal the whole (what all_reduce across ranks relies on)."""
+    src, tgt, ids = pair
+    one = accumulate(src, tgt, ids[:6], new_stats(src.config, tgt.config, "head"), progress=False)
+    two = accumulate(src, tgt, ids[6:], new_stats(src.config, tgt.config, "head"), progress=False)
+    whole = one + two
+    for name in whole.sums:
+        for f in FIELDS:
+            a, b = getattr(whole.sums[name], f), getattr(one.sums[name], f) + getattr(two.sums[name], f)
+            assert torch.equal(a, b)
+
+
+def test_save_refuses_nan(pair, tmp_path):
+    src, tgt, _ = pair
+    stats = new_stats(src.config, tgt.config, "head")
+    stats.part("k", "fit").sy[0, 0] = float("nan")
+    with pytest.raises(KvtError) as e:
+        save_stats(stats, tmp_path / "s.safetensors")
+    assert "NaN" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_memory_plan_matches_allocated_statistics(pair):
+    src, tgt, _ = pair
+    for scope in ("head", "layer"):
+        stats = new_stats(src.config, tgt.config, scope)
+        allocated = sum(getattr(s, f).numel() * 8 for s in stats.sums.values() for f in FIELDS)
+        _, planned = memory_plan(src.config, tgt.config, scope, k=8, batch_tokens=0)[-1]  # the pass for this scope
+        assert planned == allocated, f"{scope}: plan {planned} vs allocated {allocated}"
+
+
+def test_memory_plan_for_a_real_pair():
+    """qwen3-0.6b -> 1.7b: head-level statistics are small; layer scope needs the second, bigger pass."""
+    src, tgt = shape("qwen3-0.6b"), shape("qwen3-1.7b")
+    (_, head), = memory_plan(src, tgt, "head", batch_tokens=0)
+    assert head == 4 * 8 * (8 * 3584 * 3584 * 2 + 8 * 3584 * 3 + 1)           # G=8, F=O=28*128
+    rows = memory_plan(src, tgt, "layer", batch_tokens=0)
+    assert rows[0][1] == head and rows[1][1] == 4 * 8 * (28672 * 28672 * 2 + 28672 * 3 + 1)  # G=1, F=O=28*8*128
+    with pytest.raises(KvtError, match="--scope layer"):
+        memory_plan(shape("qwen3-0.6b"), shape("llama3.2-1b"), "head")
+
+
+def test_head_scope_refuses_mismatched_kv(pair):
+    src, tgt, ids = pair
+    other = kvt.build_model(tiny_config("llama", n_kv_heads=1), seed=3)
+    with pytest.raises(KvtError) as e:
+        calibrate(src, other, ids, scope="head", progress=False)
+    assert "--scope layer" in str(e.value) and "\n" not in str(e.value)
