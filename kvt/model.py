@@ -110,10 +110,11 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None):
+    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None, last=False):
         """input_ids (B, T) long; cache: a Cache to continue from; mask (B, T) bool, False = left padding;
-        positions (B, T) long: RoPE positions of these tokens (default: count on from the cache).
-        Returns logits (B, T, V) and a new Cache holding the old slots plus these T."""
+        positions (B, T) long: RoPE positions of these tokens (default: count on from the cache);
+        last: compute logits for the last position only (all a server needs after prefill).
+        Returns logits (B, T, V) (or (B, 1, V)) and a new Cache holding the old slots plus these T."""
         B, T = input_ids.shape
         dev = input_ids.device
         cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
@@ -148,7 +149,7 @@ class Transformer(nn.Module):
             keys.append(k)
             values.append(v)
             qs.append(q)
-        x = self.model.norm(x.to(self.lm_head.weight.device))
+        x = self.model.norm(x[:, -1:] if last else x).to(self.lm_head.weight.device)
         logits = self.lm_head(x)                                   # (B, T, V)
         return logits, Cache(keys, values, positions, key_mask, qs if queries else None)
 
@@ -209,3 +210,26 @@ def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=
         logits, cache = model(nxt[:, None], cache=cache)
         logits = logits[:, -1]
     return out
+
+
+def place(model, devices):
+    """Split a model across devices by contiguous layers (a model too big for one device).
+
+    Embedding and the first layers go to devices[0], the final norm and lm_head to devices[-1]. Each
+    layer's cache lives where the layer is (forward moves only the hidden state between devices), so a
+    mapper for target layer l should live on layer_devices(model)[l]. Returns the model."""
+    L, n = model.config.n_layers, len(devices)
+    for l, block in enumerate(model.model.layers):
+        block.to(devices[l * n // L])                              # layer l -> device floor(l * n / L)
+    model.model.embed_tokens.to(devices[0])
+    model.model.norm.to(devices[-1])
+    if model.config.tie_embeddings and torch.device(devices[0]) != torch.device(devices[-1]):
+        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().to(devices[-1]),
+                                            requires_grad=False)   # a tied head needs its own copy there
+    model.lm_head.to(devices[-1])
+    return model
+
+
+def layer_devices(model):
+    """The device of every layer."""
+    return [block.input_layernorm.weight.device for block in model.model.layers]

@@ -1,6 +1,6 @@
 """Prefill speed, kvt vs transformers, on the same random weights, side by side in one process.
 
-    python tests/bench_models.py [--shape qwen3-0.6b] [--tokens 2048] [--repeats 3]
+    python -m tests.bench_models [--shape qwen3-0.6b] [--tokens 2048] [--repeats 3]
 
 Both models get identical weights (transformers' modules carry the checkpoint's names, and so do
 kvt's), the same input, a warm-up run, then alternate timed runs; the table reports medians and the
