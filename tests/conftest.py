@@ -13,10 +13,6 @@ SHARED = Path(os.environ.get("KVT_SHARED", ROOT.parent / "shared"))
 SMOLLM2 = Path(os.environ.get("KVT_SMOLLM2", ROOT / "weights" / "smollm2-135m"))
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long checks, run with -m slow")
-
-
 def tiny_config(family="qwen3", **kw):
     """A 2-layer model of width 64, 4 heads, 2 KV heads of dim 16: runs in milliseconds."""
     rope = {"rope_type": "default", "rope_theta": 10000.0}
@@ -75,3 +71,13 @@ def function_preserving_twin(model, seed=0):
     twin = kvt.build_model(cfg, dtype=next(model.parameters()).dtype)
     twin.load_state_dict({name: t.to(twin.state_dict()[name].dtype) for name, t in sd.items()})
     return twin
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tiny models on one thread: on a shared machine, threads waiting for a busy core
+    make millisecond ops take tens of milliseconds. Restores the thread count after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -6,6 +6,8 @@ from kvt import ridge
 from kvt.config import KvtError
 from kvt.stats import Stats, Sums
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 f64 = torch.float64
 
 

@@ -9,6 +9,8 @@ from kvt.config import KvtError, shape
 from kvt.mapper import calibrate
 from kvt.stats import FIELDS, accumulate, held_out, load_stats, memory_plan, new_stats, save_stats
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def pair():
@@ -36,7 +38,7 @@ def test_streamed_statistics_equal_the_batch_computation(pair, scope):
             expected = {"xx": x.transpose(1, 2) @ x, "xy": x.transpose(1, 2) @ y, "sx": x.sum(1),
                         "sy": y.sum(1), "syy": (y * y).sum(1), "n": torch.tensor(float(x.shape[1]))}
             for f, e in expected.items():
-                err = (getattr(got, f) - e).abs().max().item()
+                err = ((got.gram() if f == "xx" else getattr(got, f)) - e).abs().max().item()
                 assert err <= 1e-9 * (1 + e.abs().max().item()), f"{kind}.{split}.{f}: max abs error {err:.2e}"
 
 
@@ -64,7 +66,8 @@ def test_resume_is_bit_identical(pair, tmp_path):
     whole = accumulate(src, tgt, ids, new_stats(src.config, tgt.config, "head"), batch_size=2, progress=False)
     path = tmp_path / "stats.safetensors"
     with pytest.raises(Interrupted):
-        accumulate(DiesAfter(src, 3), tgt, ids, new_stats(src.config, tgt.config, "head"), 2, path, every=1, progress=False)
+        accumulate(DiesAfter(src, 3), tgt, ids, new_stats(src.config, tgt.config, "head"), 2, path, every=1,
+                   progress=False)
     assert load_stats(path).seen == 6                                        # three batches of two were saved
     resumed = accumulate(src, tgt, ids, new_stats(src.config, tgt.config, "head"), 2, path, every=1, progress=False)
     assert resumed.seen == len(ids) and all_equal(resumed, whole)
@@ -128,3 +131,26 @@ def test_head_scope_refuses_mismatched_kv(pair):
     with pytest.raises(KvtError) as e:
         calibrate(src, other, ids, scope="head", progress=False)
     assert "--scope layer" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_upper_part_of_the_gram_spans_chunks():
+    """xx is accumulated as its upper part in chunks of CHUNK features; gram() and select() restore it."""
+    from kvt.stats import CHUNK, Sums
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 300, 2 * CHUNK + 76, generator=g, dtype=torch.float64)
+    s = Sums.zeros(2, x.shape[2], 3).add_(x[:, :100], x[:, :100, :3]).add_(x[:, 100:], x[:, 100:, :3])
+    full = x.transpose(1, 2) @ x
+    assert ((s.gram() - full).abs().max() <= 1e-10 * full.abs().max()), "gram() differs from x^T x"
+    fi = torch.tensor([3, CHUNK - 1, CHUNK + 5, 2 * CHUNK + 70])                # crosses chunk boundaries
+    assert torch.allclose(s.select(fi).gram(), full[:, fi][:, :, fi], rtol=1e-12, atol=1e-9)
+
+
+def test_float32_products_stay_close_to_float64(pair):
+    src, tgt, ids = pair
+    exact = accumulate(src, tgt, ids, new_stats(src.config, tgt.config, "head"), progress=False)
+    fast = accumulate(src, tgt, ids, new_stats(src.config, tgt.config, "head"), progress=False, products=torch.float32)
+    for name in exact.sums:
+        for f in ("xx", "xy"):
+            a, b = getattr(fast.sums[name], f), getattr(exact.sums[name], f)
+            err = (a - b).abs().max().item() / b.abs().max().item()
+            assert err < 1e-5, f"{name}.{f}: relative error {err:.1e} with float32 products"

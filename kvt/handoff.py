@@ -1,0 +1,111 @@
+"""Handoff: the source prefills a prompt, the mapper hands its KV to the target, the target carries on.
+
+    logits, cache = handoff(source, target, mapper, ids)
+
+The source prefills all prompt tokens but the last; the mapped cache gives the target those T-1 slots;
+the target then runs the last prompt token itself, so its first logits are its own forward pass over
+mapped context (not a mapped hidden state). Then `target(next_ids, cache=cache)` continues as usual.
+
+Diagnostics on held-out sequences, and a gate declaring a mapper fit or unfit for use:
+  R^2 per layer for K and V (position-free), how much of the target's KV variance the map explains;
+  attention-output cosine per layer: the target's own queries attending over mapped vs true KV (the
+    paper finds this, not R^2, predicts retention: small key errors can move attention a lot);
+  KL(target's own next-token distribution || handoff's) at a few cut points of each sequence.
+"""
+import torch
+import torch.nn.functional as F
+
+from kvt import rope
+
+
+def _dtype_device(model):
+    p = next(model.parameters())
+    return p.dtype, p.device
+
+
+@torch.no_grad()
+def handoff(source, target, mapper, ids, mask=None):
+    """ids (B, T) long, mask (B, T) bool (False = left padding) or None.
+
+    Returns the target's logits for the last prompt token (B, 1, V) and its Cache of T slots."""
+    if ids.shape[1] == 1:  # nothing to hand over
+        return target(ids, mask=mask)
+    _, src_cache = source(ids[:, :-1], mask=None if mask is None else mask[:, :-1], last=True)
+    dtype, device = _dtype_device(target)
+    cache = mapper.apply(src_cache).to(device=device, dtype=dtype)
+    return target(ids[:, -1:].to(device), cache=cache, mask=None if mask is None else mask[:, -1:].to(device))
+
+
+def r2(pred, true):
+    """Fraction of the variance of true (B, Hkv, T, D) explained by pred, pooled over heads and dims."""
+    true, pred = true.double(), pred.double()
+    centered = true - true.mean(dim=(0, 2), keepdim=True)             # mean over tokens per (head, dim)
+    return 1 - ((true - pred) ** 2).sum().item() / (centered ** 2).sum().item()
+
+
+def attention_cosine(q, k_true, v_true, k_map, v_map):
+    """Mean cosine between the attention outputs of queries q (B, H, T, D) over true vs mapped KV."""
+    gqa = q.shape[1] != k_true.shape[1]
+    o_true = F.scaled_dot_product_attention(q, k_true, v_true, is_causal=True, enable_gqa=gqa)  # (B, H, T, D)
+    o_map = F.scaled_dot_product_attention(q, k_map, v_map, is_causal=True, enable_gqa=gqa)
+    return F.cosine_similarity(o_true.float(), o_map.float(), dim=-1).mean().item()
+
+
+def kl(logits_p, logits_q):
+    """Mean KL(p || q) over rows of next-token logits (..., V), in nats."""
+    lp, lq = logits_p.float().log_softmax(-1), logits_q.float().log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1).mean().item()
+
+
+@torch.no_grad()
+def diagnose(source, target, mapper, ids, cuts=4):
+    """Diagnostics of a mapper on held-out ids (B, T) (no padding): a dict with
+    r2_k, r2_v, attn_cos (lists over target layers), their means, and kl (mean over B x cuts handoffs)."""
+    dtype, device = _dtype_device(target)
+    _, src = source(ids.to(next(source.parameters()).device), last=True)
+    own_logits, true = target(ids.to(device), queries=True)
+    mapped = mapper.apply(src).to(device=device, dtype=dtype)
+    inv, scale = target.inv_freq, target.rope_scale
+    d = {"r2_k": [], "r2_v": [], "attn_cos": []}
+    for l in range(len(true.keys)):
+        k_true, k_map = (rope.strip(k, true.positions, inv, scale) for k in (true.keys[l], mapped.keys[l]))
+        d["r2_k"].append(r2(k_map, k_true))
+        d["r2_v"].append(r2(mapped.values[l], true.values[l]))
+        d["attn_cos"].append(attention_cosine(true.queries[l], true.keys[l], true.values[l],
+                                              mapped.keys[l], mapped.values[l]))
+    T = ids.shape[1]
+    points = sorted({max(2, T * (i + 1) // cuts) for i in range(cuts)})  # handoff after c tokens of context
+    kls = []
+    for c in points:  # the source cache of a prefix is a crop of the full one (causal attention)
+        logits, _ = target(ids[:, c - 1:c].to(device), cache=mapped.crop(0, c - 1))
+        kls.append(kl(own_logits[:, c - 1], logits[:, -1]))
+    for name in ("r2_k", "r2_v", "attn_cos"):
+        d[name + "_mean"] = sum(d[name]) / len(d[name])
+    d["kl"] = sum(kls) / len(kls)
+    return d
+
+
+def gate(diag, min_attn_cos=0.9, max_kl=0.5, min_r2=None):
+    """(fit, reasons): is the mapper fit for use by these thresholds? reasons lists each failed check.
+
+    The defaults are starting points, not calibrated limits: tighten them for your tasks."""
+    reasons = []
+    if diag["attn_cos_mean"] < min_attn_cos:
+        reasons.append(f"mean attention-output cosine {diag['attn_cos_mean']:.3f} < {min_attn_cos}")
+    if diag["kl"] > max_kl:
+        reasons.append(f"next-token KL {diag['kl']:.3f} nats > {max_kl}")
+    if min_r2 is not None:
+        for name in ("r2_k_mean", "r2_v_mean"):
+            if diag[name] < min_r2:
+                reasons.append(f"{name} {diag[name]:.3f} < {min_r2}")
+    return not reasons, reasons
+
+
+def format_diagnostics(diag):
+    """A readable per-layer table of a diagnose() result."""
+    lines = ["layer    R^2 K    R^2 V   attn cos"]
+    for l, (a, b, c) in enumerate(zip(diag["r2_k"], diag["r2_v"], diag["attn_cos"])):
+        lines.append(f"{l:5d} {a:8.4f} {b:8.4f} {c:10.4f}")
+    lines.append(f" mean {diag['r2_k_mean']:8.4f} {diag['r2_v_mean']:8.4f} {diag['attn_cos_mean']:10.4f}"
+                 f"   next-token KL {diag['kl']:.4f} nats")
+    return "\n".join(lines)

@@ -1,0 +1,257 @@
+"""Streamed sufficient statistics for the ridge fit, in float64, with checkpoint/resume and a memory plan.
+
+The closed-form fit of y from x (ridge.py) needs only sums over tokens, never the tokens themselves:
+
+    xx = sum x x^T   xy = sum x y^T   sx = sum x   sy = sum y   syy = sum y^2 (per output dim)   n
+
+per group g (a KV head in head scope, the whole layer in layer scope; see capture.py). Features x are
+the position-free K (or V) of a list of source layers, concatenated layer by layer (F = layers * Bx);
+outputs y are those of every target layer, concatenated (O = L_tgt * By). Any sub-fit (one source
+layer, or the k selected ones, onto one target layer) reads its blocks out of these sums, so one pass
+over the calibration data serves layer selection and the final fit. Sums are plain tensors: two
+statistics objects add by tensor addition (all_reduce across data-parallel ranks), and a checkpoint
+is those tensors in a safetensors file, so a resumed calibration is bit-identical to an unbroken one.
+
+A held-out split (the last tenth of the calibration sequences) is kept as separate sums; layer
+selection, lambda and the diagnostics use it.
+"""
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from kvt.capture import capture, features
+from kvt.config import KvtError, check_matched_kv
+
+KINDS = ("k", "v")
+SPLITS = ("fit", "held")
+FIELDS = ("xx", "xy", "sx", "sy", "syy", "n")
+CHUNK = 512  # features per row chunk of the upper part of xx
+
+
+@dataclass
+class Sums:
+    """Sums over tokens for one kind (K or V) and one split; G groups, F features, O outputs.
+
+    xx = sum x x^T is symmetric, so only its upper part is accumulated (rows in chunks of CHUNK features,
+    each from its own diagonal on: about half the work); gram() fills in the rest when it is read."""
+    xx: torch.Tensor   # (G, F, F)  upper part of sum x x^T
+    xy: torch.Tensor   # (G, F, O)
+    sx: torch.Tensor   # (G, F)
+    sy: torch.Tensor   # (G, O)
+    syy: torch.Tensor  # (G, O)
+    n: torch.Tensor    # ()  number of tokens
+
+    @staticmethod
+    def zeros(G, F, O, device=None):
+        shapes = [(G, F, F), (G, F, O), (G, F), (G, O), (G, O), ()]
+        return Sums(*(torch.zeros(s, dtype=torch.float64, device=device) for s in shapes))
+
+    def add_(self, x, y, products=torch.float64):
+        """Add tokens x (G, N, F) and y (G, N, O). The two big products are computed in `products`
+        (float64; or float32, faster on some hardware, with ~1e-7 relative error per batch) and summed
+        into float64; everything else is float64."""
+        xt, yp = x.to(products).transpose(1, 2), y.to(products)          # (G, F, N), (G, N, O)
+        for i in range(0, x.shape[2], CHUNK):                             # rows i:i+CHUNK, columns i:
+            self._addmm(self.xx[:, i:i + CHUNK, i:], xt[:, i:i + CHUNK], xt[:, i:].transpose(1, 2))
+        self._addmm(self.xy, xt, yp)                                      # (G, F, N) @ (G, N, O)
+        x, y = x.double(), y.double()
+        self.sx += x.sum(1)
+        self.sy += y.sum(1)
+        self.syy += (y * y).sum(1)
+        self.n += x.shape[1]
+        return self
+
+    @staticmethod
+    def _addmm(out, a, b):
+        """out += a @ b, batched; in place when a and b are float64 already."""
+        if a.dtype == torch.float64:
+            out.baddbmm_(a, b)
+        else:
+            out += torch.bmm(a, b).double()
+
+    def gram(self):
+        """The full symmetric sum x x^T (G, F, F) from its upper part (unchanged if already full)."""
+        return self.xx.triu() + self.xx.triu(1).transpose(1, 2)
+
+    def __add__(self, other):
+        return Sums(*(getattr(self, f) + getattr(other, f) for f in FIELDS))
+
+    def select(self, fi, oi=slice(None)):
+        """The sums of a sub-fit: feature indices fi (ascending, so xx keeps its upper part), output
+        indices oi (default all outputs)."""
+        assert bool((fi[1:] > fi[:-1]).all()), "feature indices must ascend"
+        return Sums(self.xx[:, fi][:, :, fi], self.xy[:, fi][:, :, oi], self.sx[:, fi],
+                    self.sy[:, oi], self.syy[:, oi], self.n)
+
+
+def blocks(idx, size):
+    """Block numbers [i, j, ...] -> element indices [i*size .. i*size+size-1, j*size ..] (LongTensor)."""
+    idx = torch.as_tensor(idx, dtype=torch.long)
+    return (idx[:, None] * size + torch.arange(size)).flatten()
+
+
+@dataclass
+class Stats:
+    """Everything calibration accumulates: Sums for K and V, fit and held-out splits, and what they cover."""
+    scope: str            # "head" or "layer"
+    src_layers: list      # source layers whose KV make up the features, in feature order
+    n_tgt: int            # target layers; all of them are outputs
+    bx: int               # features per source layer per group: D (head scope) or Hkv*D (layer scope)
+    by: int               # outputs per target layer per group
+    sums: dict            # "k.fit", "k.held", "v.fit", "v.held" -> Sums
+    seen: int = 0         # calibration sequences accumulated so far (the resume point)
+    data: str = ""        # hash of the calibration ids these sums are over
+
+    def __add__(self, other):
+        return Stats(self.scope, self.src_layers, self.n_tgt, self.bx, self.by,
+                     {name: s + other.sums[name] for name, s in self.sums.items()},
+                     self.seen + other.seen, self.data)
+
+    def part(self, kind, split):
+        return self.sums[f"{kind}.{split}"]
+
+
+def new_stats(src_cfg, tgt_cfg, scope, src_layers=None, device=None):
+    """Zero statistics for a pair; src_layers defaults to every source layer (the selection pass)."""
+    src_layers = list(range(src_cfg.n_layers)) if src_layers is None else sorted(src_layers)
+    G, bx, by = groups(src_cfg, tgt_cfg, scope)
+    F, O = len(src_layers) * bx, tgt_cfg.n_layers * by
+    sums = {f"{k}.{s}": Sums.zeros(G, F, O, device) for k in KINDS for s in SPLITS}
+    return Stats(scope, src_layers, tgt_cfg.n_layers, bx, by, sums)
+
+
+def groups(src_cfg, tgt_cfg, scope):
+    """(G, Bx, By) of a scope; head scope needs matched KV heads and head dim."""
+    if scope == "head":
+        return src_cfg.n_kv_heads, src_cfg.head_dim, tgt_cfg.head_dim
+    if scope == "layer":
+        return 1, src_cfg.n_kv_heads * src_cfg.head_dim, tgt_cfg.n_kv_heads * tgt_cfg.head_dim
+    raise KvtError(f"scope {scope!r} is not known; use 'head' or 'layer'")
+
+
+def add_batch(stats, split, src_kv, tgt_kv, products=torch.float64):
+    """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split."""
+    for i, kind in enumerate(KINDS):
+        x = features([src_kv[i][l] for l in stats.src_layers], stats.scope)  # (G, N, Ls, Bx)
+        y = features(tgt_kv[i], stats.scope)                                # (G, N, Lt, By)
+        stats.part(kind, split).add_(x.flatten(2), y.flatten(2), products)  # (G, N, F), (G, N, O)
+
+
+def held_out(n, fraction=0.1):
+    """Number of held-out sequences (the last ones) out of n: at least 1 when n > 1."""
+    return 0 if n < 2 else max(1, round(n * fraction))
+
+
+def data_hash(ids):
+    return hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def accumulate(source, target, ids, stats, batch_size=1, path=None, every=20, progress=True,
+               products=torch.float64):
+    """Stream every not-yet-seen sequence of ids (n, T) through both models into stats (in place).
+
+    The last held_out(n) sequences go to the held-out split. With `path`, the statistics are saved
+    there every `every` batches and at the end, and a run that finds a checkpoint resumes from it.
+    products: the dtype of the per-batch products (see Sums.add_).
+    Returns the statistics (the loaded ones when resuming)."""
+    if path and Path(path).exists():
+        stats = load_stats(path, like=stats, device=stats.part("k", "fit").xx.device)
+    stats.data = stats.data or data_hash(ids)
+    if stats.data != data_hash(ids):
+        raise KvtError(f"statistics {path or ''} were accumulated over other calibration ids; delete the file "
+                       "or use the same corpus, --calib-n, --calib-len and seed")
+    n, n_fit = len(ids), len(ids) - held_out(len(ids))
+    starts = [*range(0, n_fit, batch_size), *range(n_fit, n, batch_size)]  # batches never straddle splits
+    todo = [s for s in starts if s >= stats.seen]
+    device = next(source.parameters()).device
+    for i, s in enumerate(tqdm(todo, desc=f"calibration stats ({stats.scope})", disable=not progress)):
+        e = min(s + batch_size, n_fit if s < n_fit else n)
+        batch = ids[s:e].to(device)
+        add_batch(stats, "fit" if s < n_fit else "held", capture(source, batch), capture(target, batch), products)
+        stats.seen = e
+        if path and ((i + 1) % every == 0 or e == n):
+            save_stats(stats, path)
+    return stats
+
+
+def save_stats(stats, path):
+    """Write stats to a safetensors file atomically (tmp file, then rename)."""
+    check_finite(stats)
+    tensors = {f"{name}.{f}": getattr(s, f).contiguous() for name, s in stats.sums.items() for f in FIELDS}
+    meta = {"scope": stats.scope, "src_layers": json.dumps(stats.src_layers), "n_tgt": str(stats.n_tgt),
+            "bx": str(stats.bx), "by": str(stats.by), "seen": str(stats.seen), "data": stats.data}
+    save_file(tensors, str(path) + ".tmp", metadata=meta)
+    os.replace(str(path) + ".tmp", path)
+
+
+def load_stats(path, like=None, device=None):
+    """Read stats saved by save_stats; with `like`, refuse a file that covers something else."""
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path), device=str(device or "cpu"))
+    sums = {name: Sums(*(t[f"{name}.{f}"] for f in FIELDS)) for name in (f"{k}.{s}" for k in KINDS for s in SPLITS)}
+    stats = Stats(meta["scope"], json.loads(meta["src_layers"]), int(meta["n_tgt"]), int(meta["bx"]),
+                  int(meta["by"]), sums, int(meta["seen"]), meta["data"])
+    if like is not None:
+        have = (stats.scope, stats.src_layers, stats.n_tgt, stats.bx, stats.by)
+        want = (like.scope, like.src_layers, like.n_tgt, like.bx, like.by)
+        if have != want:
+            raise KvtError(f"statistics file {path} is for another calibration plan {have}, not {want}; "
+                           "delete it to start over")
+    check_finite(stats)
+    return stats
+
+
+def check_finite(stats):
+    """NaN or inf in the sums means a model produced non-finite KV: refuse to fit on it."""
+    for name, s in stats.sums.items():
+        for f in FIELDS:
+            if not torch.isfinite(getattr(s, f)).all():
+                raise KvtError(f"calibration statistics {name}.{f} contain NaN/inf: a model produced non-finite KV; "
+                               "run the models in float32 (--dtype float32) and recalibrate")
+
+
+# ---- memory plan -------------------------------------------------------------------------------------
+
+def sums_bytes(G, F, O):
+    """Bytes of the four Sums (K, V x fit, held) of one Stats in float64."""
+    return 4 * 8 * (G * F * F + G * F * O + G * F + 2 * G * O + 1)
+
+
+def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024):
+    """[(pass, bytes)]: what calibration holds in memory, besides the two models.
+
+    Head scope: one pass over all source layers. Layer scope on a matched-KV pair: a head-level pass
+    to select layers, then a layer-level pass over the union of the selected layers (at most
+    min(L_src, k * L_tgt) of them; the bound is what is shown). Layer scope on other pairs: one
+    layer-level pass over all source layers. Each pass also holds one batch of features in float64."""
+    check_matched_kv(src_cfg, tgt_cfg, scope)
+    Ls, Lt = src_cfg.n_layers, tgt_cfg.n_layers
+    matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
+    rows = []
+    if matched:  # head-level statistics over all source layers (the whole of head scope)
+        G, bx, by = groups(src_cfg, tgt_cfg, "head")
+        rows.append(("head statistics, all source layers", pass_bytes(G, Ls * bx, Lt * by, batch_tokens)))
+    if scope == "layer":
+        G, bx, by = groups(src_cfg, tgt_cfg, "layer")
+        U = min(Ls, k * Lt) if matched else Ls
+        rows.append((f"layer statistics, {U} source layers" + (" (at most)" if matched else ""),
+                     pass_bytes(G, U * bx, Lt * by, batch_tokens)))
+    return rows
+
+
+def pass_bytes(G, F, O, batch_tokens):
+    """Sums of one pass, plus one batch of float64 features for K and V."""
+    return sums_bytes(G, F, O) + 2 * 8 * batch_tokens * G * (F + O)
+
+
+def describe_plan(rows):
+    """The plan as printable lines."""
+    return "\n".join(f"  {name:<45} {nbytes / 2**30:8.2f} GiB" for name, nbytes in rows)

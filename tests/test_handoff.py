@@ -1,0 +1,76 @@
+"""handoff.py: an exact pair and the identity pair hand over without changing the target's predictions."""
+import pytest
+import torch
+from conftest import function_preserving_twin, tiny_config
+
+import kvt
+from kvt import ridge
+from kvt.handoff import diagnose, format_diagnostics, gate, handoff, kl
+from kvt.mapper import calibrate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+IDS = torch.randint(0, 128, (12, 24), generator=torch.Generator().manual_seed(0))
+PROMPTS = torch.randint(0, 128, (3, 30), generator=torch.Generator().manual_seed(9))
+
+
+def assert_close(actual, expected, what, atol=1e-4):
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= atol, f"{what}: max abs error {err:.2e} > {atol:.0e}"
+
+
+@pytest.fixture(scope="module")
+def exact():
+    source = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=0)
+    target = function_preserving_twin(source, seed=1)
+    mapper, _ = calibrate(source, target, IDS, k=1, lam=1e-9, progress=False)
+    return source, target, mapper
+
+
+def test_exact_pair_handoff_reproduces_the_targets_logits(exact):
+    source, target, mapper = exact
+    logits, cache = handoff(source, target, mapper, PROMPTS)
+    own, own_cache = target(PROMPTS)
+    assert logits.shape == (3, 1, 128) and len(cache) == PROMPTS.shape[1]
+    assert_close(logits[:, -1], own[:, -1], "first logits after handoff")
+    nxt = own[:, -1].argmax(-1, keepdim=True)                               # (B, 1)
+    assert_close(target(nxt, cache=cache)[0], target(nxt, cache=own_cache)[0], "next step from the handed-over cache")
+
+
+def test_exact_pair_diagnostics_and_gate(exact):
+    source, target, mapper = exact
+    d = diagnose(source, target, mapper, PROMPTS)
+    assert min(d["r2_k"] + d["r2_v"]) > 1 - 1e-6, format_diagnostics(d)
+    assert min(d["attn_cos"]) > 1 - 1e-5 and abs(d["kl"]) < 1e-6, format_diagnostics(d)
+    assert gate(d) == (True, [])
+
+
+def test_identity_pair_keeps_the_next_token_distribution():
+    model = kvt.build_model(tiny_config("llama", n_layers=3), seed=4)
+    mapper, report = calibrate(model, model, IDS, lams=ridge.LAMBDAS, progress=False)   # k = 8 -> all 3 layers
+    logits, _ = handoff(model, model, mapper, PROMPTS)
+    own, _ = model(PROMPTS)
+    div = kl(own[:, -1], logits[:, -1])
+    assert div < 1e-4, f"KL(own || handoff) {div:.2e} at lambda {report['lambda']}"
+
+
+def test_handoff_of_a_left_padded_batch_matches_each_prompt_alone(exact):
+    source, target, mapper = exact
+    short = PROMPTS[1, 5:]                                                  # 25 tokens, padded to 30 on the left
+    ids = torch.stack([PROMPTS[0], torch.cat([torch.zeros(5, dtype=torch.long), short])])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :5] = False
+    logits, _ = handoff(source, target, mapper, ids, mask=mask)
+    assert_close(logits[1], handoff(source, target, mapper, short[None])[0][0], "padded row")
+    assert_close(logits[0], handoff(source, target, mapper, PROMPTS[:1])[0][0], "full row")
+
+
+def test_gate_flags_an_unrelated_pair_and_thresholds_are_settable():
+    source = kvt.build_model(tiny_config("llama", n_layers=2), seed=0)
+    target = kvt.build_model(tiny_config("llama", n_layers=2), seed=1)     # unrelated weights
+    mapper, _ = calibrate(source, target, IDS, progress=False)
+    d = diagnose(source, target, mapper, PROMPTS)
+    ok, reasons = gate(d, min_attn_cos=0.999, max_kl=1e-6)
+    assert not ok and len(reasons) == 2, reasons
+    assert gate(d, min_attn_cos=-1.0, max_kl=float("inf"))[0]
+    assert "attn cos" in format_diagnostics(d)

@@ -1,0 +1,142 @@
+"""mapper.py: an exact pair is mapped exactly; files round-trip and refuse other pairs; the MLP backstop."""
+import pytest
+import torch
+from conftest import function_preserving_twin, tiny_config
+
+import kvt
+from kvt import mlp, ridge
+from kvt.config import KvtError
+from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+IDS = torch.randint(0, 128, (12, 24), generator=torch.Generator().manual_seed(0))  # 11 fit, 1 held out
+
+
+def assert_close(actual, expected, what, atol=1e-4):
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= atol, f"{what}: max abs error {err:.2e} > {atol:.0e}"
+
+
+def assert_same_cache(a, b, what, atol=1e-4):
+    for l in range(len(b.keys)):
+        assert_close(a.keys[l], b.keys[l], f"{what}: layer {l} keys", atol)
+        assert_close(a.values[l], b.values[l], f"{what}: layer {l} values", atol)
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.mask, b.mask)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def exact_pair(request):
+    source = kvt.build_model(tiny_config(request.param, n_layers=3), seed=0)
+    return source, function_preserving_twin(source, seed=1)
+
+
+@pytest.mark.parametrize("scope", ["head", "layer"])
+def test_exact_pair_is_mapped_exactly(exact_pair, scope):
+    """The twin's KV is R_h k and M_h v of the same layer: selection finds that layer, ridge the map."""
+    source, target = exact_pair
+    mapper, report = calibrate(source, target, IDS, scope=scope, k=1, lam=1e-9, progress=False)
+    for kind in "kv":
+        assert mapper.layers[kind][:, 0].tolist() == [0, 1, 2], f"{kind}: selected {mapper.layers[kind].tolist()}"
+        assert (report["r2"][kind] > 1 - 1e-8).all(), f"{kind} held-out R^2 {report['r2'][kind].tolist()}"
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(5))  # longer than calibration
+    _, src_cache = source(ids)
+    _, tgt_cache = target(ids)
+    assert_same_cache(mapper.apply(src_cache), tgt_cache, f"{scope} scope")
+
+
+def test_mapped_keys_relocate(exact_pair):
+    """Keys mapped to other positions equal the target's own prefill at those positions (RoPE re-applied)."""
+    source, target = exact_pair
+    mapper, _ = calibrate(source, target, IDS, k=1, lam=1e-9, progress=False)
+    ids = IDS[:2, :16]
+    _, src_cache = source(ids)
+    moved = src_cache.positions + 7
+    _, tgt_cache = target(ids, positions=moved)
+    assert_same_cache(mapper.apply(src_cache, positions=moved), tgt_cache, "relocated by 7")
+
+
+def test_layer_scope_maps_across_kv_shapes():
+    source = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=0)                  # 2 KV heads x 16
+    target = kvt.build_model(tiny_config("qwen3", n_kv_heads=1, head_dim=32), seed=1)   # 1 KV head x 32
+    mapper, report = calibrate(source, target, IDS, scope="layer", k=2, progress=False)
+    assert mapper.W["k"].shape == (2, 1, 2 * 32, 32)                                    # (Lt, G, k*Hkv*D, Hkv*D)
+    _, cache = target(IDS[:2])
+    mapped = mapper.apply(source(IDS[:2])[1])
+    assert [k.shape for k in mapped.keys] == [k.shape for k in cache.keys]
+    assert all(torch.isfinite(r).all() for r in report["r2"].values())
+
+
+def test_parameter_count_and_bytes(exact_pair):
+    source, target = exact_pair
+    mapper, _ = calibrate(source, target, IDS, k=2, progress=False)
+    G, D, Lt = 2, 16, 3
+    assert mapper.n_params() == 2 * Lt * (G * 2 * D * D + G * D)                        # K and V: W and b
+    assert mapper.nbytes() == 4 * mapper.n_params()
+
+
+def test_save_load_roundtrip_and_refusals(exact_pair, tmp_path):
+    source, target = exact_pair
+    mapper, _ = calibrate(source, target, IDS, k=2, progress=False, tokenizer="tok123")
+    path = tmp_path / "m.safetensors"
+    save_mapper(mapper, path)
+    back = load_mapper(path, source.config, target.config, tokenizer="tok123")
+    assert back.scope == mapper.scope and back.meta["k"] == 2 and back.meta["lambda"] == 0.01
+    for name, t in mapper.tensors().items():
+        assert torch.equal(back.tensors()[name], t), name
+    save_mapper(mapper, tmp_path / "half.safetensors", dtype=torch.bfloat16)
+    half = load_mapper(tmp_path / "half.safetensors")
+    _, cache = source(IDS[:1])
+    assert_same_cache(half.apply(cache), mapper.apply(cache), "bf16-stored mapper", atol=0.05)
+    assert (tmp_path / "half.safetensors").stat().st_size < 0.6 * path.stat().st_size
+
+    other = kvt.build_model(tiny_config("qwen3", n_layers=4), seed=0)
+    for kw in ({"src_cfg": other.config}, {"tgt_cfg": other.config}, {"tokenizer": "another"}):
+        with pytest.raises(KvtError) as e:
+            load_mapper(path, **kw)
+        assert "recalibrate" in str(e.value) and "\n" not in str(e.value), kw
+    (tmp_path / "x.safetensors").write_bytes(path.read_bytes()[:100])
+    with pytest.raises(Exception):
+        load_mapper(tmp_path / "x.safetensors")
+
+
+def test_mlp_learns_what_ridge_cannot():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1200, 8, generator=g)
+    y = torch.tanh(2 * x @ torch.randn(8, 4, generator=g))                              # nonlinear
+    p, loss = mlp.train(x[:1000], y[:1000], x[1000:], y[1000:], hidden=64, lr=3e-3, batch=32, max_epochs=60)
+    held = ((mlp.forward(p, x[1000:]) - y[1000:]) ** 2).mean() / y[1000:].var(0).mean()
+    xa = torch.cat([x, torch.ones(1200, 1)], 1)
+    A = torch.linalg.lstsq(xa[:1000], y[:1000]).solution
+    linear = ((xa[1000:] @ A - y[1000:]) ** 2).mean() / y[1000:].var(0).mean()
+    assert held < 0.5 * linear, f"MLP held-out error {held:.3f} vs linear {linear:.3f} (fractions of variance)"
+    assert abs(held - loss) < 0.05 * linear, "train() reports its held-out loss in variance units"
+
+
+def test_mlp_backstop_on_a_mapper(tmp_path):
+    source = kvt.build_model(tiny_config("llama", n_layers=3), seed=0)
+    target = kvt.build_model(tiny_config("llama", n_layers=2), seed=1)
+    mapper, _ = calibrate(source, target, IDS, k=2, progress=False)
+    backed = add_mlp(mapper, source, target, IDS, hidden=32, max_epochs=3, progress=False)
+    assert backed.mlp_mode == "residual" and backed.mlp["k"]["w1"].shape == (2, 2 * 2 * 16, 32)
+    save_mapper(backed, tmp_path / "m.safetensors")
+    back = load_mapper(tmp_path / "m.safetensors")
+    _, cache = source(IDS[:1])
+    assert_same_cache(back.apply(cache), backed.apply(cache), "MLP mapper after save/load", atol=1e-6)
+    replaced = add_mlp(mapper, source, target, IDS, residual=False, hidden=32, max_epochs=2, progress=False)
+    assert replaced.apply(cache).keys[0].shape == cache.keys[0][:, :, :, :].shape
+
+
+def test_lambda_sweep_picks_tiny_lambda_for_an_exact_pair(exact_pair):
+    source, target = exact_pair
+    _, report = calibrate(source, target, IDS, k=1, lams=ridge.LAMBDAS, progress=False)
+    assert report["lambda"] <= 1e-4 and report["sweep"][report["lambda"]] == max(report["sweep"].values())
+
+
+def test_calibration_checkpoints_both_passes_and_reuses_them(exact_pair, tmp_path):
+    source, target = exact_pair
+    first, _ = calibrate(source, target, IDS, scope="layer", k=2, checkpoint=tmp_path / "stats", progress=False)
+    assert (tmp_path / "stats.pass1").exists() and (tmp_path / "stats.pass2").exists()
+    again, _ = calibrate(source, target, IDS, scope="layer", k=2, checkpoint=tmp_path / "stats", progress=False)
+    for name, t in first.tensors().items():
+        assert torch.equal(again.tensors()[name], t), name
