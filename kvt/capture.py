@@ -17,7 +17,7 @@ from kvt import rope
 def capture(model, ids, mask=None):
     """Run model on ids (B, T); return position-free keys and values, two lists of L tensors (B, Hkv, T, D)."""
     _, cache = model(ids, mask=mask, last=True)                      # logits are not needed here
-    keys = [rope.strip(k, cache.positions, model.inv_freq, model.rope_scale) for k in cache.keys]
+    keys = [rope.strip(k, cache.positions.to(k.device), model.inv_freq, model.rope_scale) for k in cache.keys]
     return keys, list(cache.values)
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvt import rope
+from kvt.model import layer_devices
 
 
 def _dtype_device(model):
@@ -32,7 +33,7 @@ def handoff(source, target, mapper, ids, mask=None):
         return target(ids, mask=mask)
     _, src_cache = source(ids[:, :-1], mask=None if mask is None else mask[:, :-1], last=True)
     dtype, device = _dtype_device(target)
-    cache = mapper.apply(src_cache).to(device=device, dtype=dtype)
+    cache = mapper.apply(src_cache, devices=layer_devices(target)).to(dtype=dtype)
     return target(ids[:, -1:].to(device), cache=cache, mask=None if mask is None else mask[:, -1:].to(device))
 
 
@@ -64,11 +65,12 @@ def diagnose(source, target, mapper, ids, cuts=4):
     dtype, device = _dtype_device(target)
     _, src = source(ids.to(next(source.parameters()).device), last=True)
     own_logits, true = target(ids.to(device), queries=True)
-    mapped = mapper.apply(src).to(device=device, dtype=dtype)
+    mapped = mapper.apply(src, devices=layer_devices(target)).to(dtype=dtype)
     inv, scale = target.inv_freq, target.rope_scale
     d = {"r2_k": [], "r2_v": [], "attn_cos": []}
     for l in range(len(true.keys)):
-        k_true, k_map = (rope.strip(k, true.positions, inv, scale) for k in (true.keys[l], mapped.keys[l]))
+        k_true, k_map = (rope.strip(k, true.positions.to(k.device), inv, scale)
+                         for k in (true.keys[l], mapped.keys[l]))
         d["r2_k"].append(r2(k_map, k_true))
         d["r2_v"].append(r2(mapped.values[l], true.values[l]))
         d["attn_cos"].append(attention_cosine(true.queries[l], true.keys[l], true.values[l],

@@ -154,19 +154,25 @@ class Transformer(nn.Module):
         return logits, Cache(keys, values, positions, key_mask, qs if queries else None)
 
 
-def _materialize(cfg, dtype, device):
-    """The model's parameters allocated once, in dtype, on device (uninitialized)."""
+def _materialize(cfg, dtype, devices):
+    """The model's parameters allocated once, in dtype, each part on its device of `devices` (see place;
+    uninitialized). A tied lm_head on another device than the embedding gets its own copy."""
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie()  # to_empty makes fresh tensors; tie them again
+        model = Transformer(cfg).to(dtype)
+    if cfg.tie_embeddings and torch.device(devices[0]) != torch.device(devices[-1]):
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight))  # untied
+    for module, device in _parts(model, devices):
+        module.to_empty(device=device)
+    if torch.device(devices[0]) == torch.device(devices[-1]):
+        model.tie()  # to_empty made fresh tensors; tie them again
     return model.eval().requires_grad_(False)
 
 
-def load_model(path, dtype=torch.float32, device="cpu", context=None):
-    """The checkpoint folder `path` (config.json + safetensors) as a Transformer in dtype on device."""
+def load_model(path, dtype=torch.float32, device="cpu", context=None, devices=None):
+    """The checkpoint folder `path` (config.json + safetensors) as a Transformer in dtype on device,
+    or split by layers across `devices` (each part allocated where it lives: no device holds it all)."""
     cfg = load_config(path, context)
-    model = _materialize(cfg, dtype, device)
+    model = _materialize(cfg, dtype, devices or [device])
     load_weights(model, path)
     return model
 
@@ -175,7 +181,7 @@ def load_model(path, dtype=torch.float32, device="cpu", context=None):
 def build_model(cfg, dtype=torch.float32, device="cpu", seed=0, std=0.02):
     """Random weights from a Config or a named shape ("qwen3-0.6b"): for benchmarks and tests."""
     cfg = shape(cfg) if isinstance(cfg, str) else cfg
-    model = _materialize(cfg, dtype, device)
+    model = _materialize(cfg, dtype, [device])
     g = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
@@ -212,21 +218,27 @@ def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=
     return out
 
 
-def place(model, devices):
-    """Split a model across devices by contiguous layers (a model too big for one device).
-
-    Embedding and the first layers go to devices[0], the final norm and lm_head to devices[-1]. Each
-    layer's cache lives where the layer is (forward moves only the hidden state between devices), so a
-    mapper for target layer l should live on layer_devices(model)[l]. Returns the model."""
+def _parts(model, devices):
+    """(module, device) for every part of the model split by contiguous layers across devices: the
+    embedding and the first layers on devices[0], the final norm and lm_head on devices[-1]."""
     L, n = model.config.n_layers, len(devices)
+    yield model.model.embed_tokens, devices[0]
     for l, block in enumerate(model.model.layers):
-        block.to(devices[l * n // L])                              # layer l -> device floor(l * n / L)
-    model.model.embed_tokens.to(devices[0])
-    model.model.norm.to(devices[-1])
+        yield block, devices[l * n // L]                           # layer l -> device floor(l * n / L)
+    yield model.model.norm, devices[-1]
+    yield model.lm_head, devices[-1]
+
+
+def place(model, devices):
+    """Split a loaded model across devices by contiguous layers (a model too big for one device).
+
+    Each layer's cache lives where the layer is (forward moves only the hidden state between devices),
+    so a mapper for target layer l should live on layer_devices(model)[l]. Returns the model."""
     if model.config.tie_embeddings and torch.device(devices[0]) != torch.device(devices[-1]):
         model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().to(devices[-1]),
                                             requires_grad=False)   # a tied head needs its own copy there
-    model.lm_head.to(devices[-1])
+    for module, device in _parts(model, devices):
+        module.to(device)
     return model
 
 

@@ -9,8 +9,13 @@ the position-free K (or V) of a list of source layers, concatenated layer by lay
 outputs y are those of every target layer, concatenated (O = L_tgt * By). Any sub-fit (one source
 layer, or the k selected ones, onto one target layer) reads its blocks out of these sums, so one pass
 over the calibration data serves layer selection and the final fit. Sums are plain tensors: two
-statistics objects add by tensor addition (all_reduce across data-parallel ranks), and a checkpoint
-is those tensors in a safetensors file, so a resumed calibration is bit-identical to an unbroken one.
+statistics objects add by tensor addition, and a checkpoint is those tensors in a safetensors file, so
+a resumed calibration is bit-identical to an unbroken one.
+
+Data parallel (torchrun, dist.py): each rank streams its share of the batches into its own sums, and
+the ranks' sums are added with all_reduce at every checkpoint and at the end. The sums live in float64
+by default; float32 statistics (dtype=torch.float32) halve their memory, and every sub-fit still reads
+its blocks as float64 (Sums.select), so only the accumulation itself is in float32.
 
 A held-out split (the last tenth of the calibration sequences) is kept as separate sums; layer
 selection, lambda and the diagnostics use it.
@@ -23,9 +28,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kvt import dist
 from kvt.capture import capture, features
 from kvt.config import KvtError, check_matched_kv
 
@@ -49,19 +55,19 @@ class Sums:
     n: torch.Tensor    # ()  number of tokens
 
     @staticmethod
-    def zeros(G, F, O, device=None):
+    def zeros(G, F, O, device=None, dtype=torch.float64):
         shapes = [(G, F, F), (G, F, O), (G, F), (G, O), (G, O), ()]
-        return Sums(*(torch.zeros(s, dtype=torch.float64, device=device) for s in shapes))
+        return Sums(*(torch.zeros(s, dtype=dtype, device=device) for s in shapes))
 
     def add_(self, x, y, products=torch.float64):
         """Add tokens x (G, N, F) and y (G, N, O). The two big products are computed in `products`
         (float64; or float32, faster on some hardware, with ~1e-7 relative error per batch) and summed
-        into float64; everything else is float64."""
+        into the sums' dtype (float64 unless made with dtype=torch.float32), as is everything else."""
         xt, yp = x.to(products).transpose(1, 2), y.to(products)          # (G, F, N), (G, N, O)
         for i in range(0, x.shape[2], CHUNK):                             # rows i:i+CHUNK, columns i:
             self._addmm(self.xx[:, i:i + CHUNK, i:], xt[:, i:i + CHUNK], xt[:, i:].transpose(1, 2))
         self._addmm(self.xy, xt, yp)                                      # (G, F, N) @ (G, N, O)
-        x, y = x.double(), y.double()
+        x, y = x.to(self.sx.dtype), y.to(self.sy.dtype)
         self.sx += x.sum(1)
         self.sy += y.sum(1)
         self.syy += (y * y).sum(1)
@@ -70,11 +76,11 @@ class Sums:
 
     @staticmethod
     def _addmm(out, a, b):
-        """out += a @ b, batched; in place when a and b are float64 already."""
-        if a.dtype == torch.float64:
+        """out += a @ b, batched; in place when a and b have out's dtype already."""
+        if a.dtype == out.dtype:
             out.baddbmm_(a, b)
         else:
-            out += torch.bmm(a, b).double()
+            out += torch.bmm(a, b).to(out.dtype)
 
     def gram(self):
         """The full symmetric sum x x^T (G, F, F) from its upper part (unchanged if already full)."""
@@ -84,11 +90,14 @@ class Sums:
         return Sums(*(getattr(self, f) + getattr(other, f) for f in FIELDS))
 
     def select(self, fi, oi=slice(None)):
-        """The sums of a sub-fit: feature indices fi (ascending, so xx keeps its upper part), output
-        indices oi (default all outputs)."""
+        """The sums of a sub-fit, in float64 whatever the sums' dtype: feature indices fi (ascending, so
+        xx keeps its upper part), output indices oi (default all outputs)."""
         assert bool((fi[1:] > fi[:-1]).all()), "feature indices must ascend"
-        return Sums(self.xx[:, fi][:, :, fi], self.xy[:, fi][:, :, oi], self.sx[:, fi],
-                    self.sy[:, oi], self.syy[:, oi], self.n)
+        return Sums(*(t.double() for t in (self.xx[:, fi][:, :, fi], self.xy[:, fi][:, :, oi], self.sx[:, fi],
+                                           self.sy[:, oi], self.syy[:, oi], self.n)))
+
+    def tensors(self):
+        return [getattr(self, f) for f in FIELDS]
 
 
 def blocks(idx, size):
@@ -118,13 +127,23 @@ class Stats:
         return self.sums[f"{kind}.{split}"]
 
 
-def new_stats(src_cfg, tgt_cfg, scope, src_layers=None, device=None):
+def new_stats(src_cfg, tgt_cfg, scope, src_layers=None, device=None, dtype=torch.float64):
     """Zero statistics for a pair; src_layers defaults to every source layer (the selection pass)."""
     src_layers = list(range(src_cfg.n_layers)) if src_layers is None else sorted(src_layers)
     G, bx, by = groups(src_cfg, tgt_cfg, scope)
     F, O = len(src_layers) * bx, tgt_cfg.n_layers * by
-    sums = {f"{k}.{s}": Sums.zeros(G, F, O, device) for k in KINDS for s in SPLITS}
+    sums = {f"{k}.{s}": Sums.zeros(G, F, O, device, dtype) for k in KINDS for s in SPLITS}
     return Stats(scope, src_layers, tgt_cfg.n_layers, bx, by, sums)
+
+
+def candidate_layers(n_layers, count=None):
+    """`count` source layers spread evenly from the first to the last (all of them when count is None):
+    fewer candidates for layer selection make smaller statistics."""
+    if count is None or count >= n_layers:
+        return list(range(n_layers))
+    if count < 2:
+        raise KvtError(f"--candidates {count}: layer selection needs at least 2 candidate source layers")
+    return [i * (n_layers - 1) // (count - 1) for i in range(count)]
 
 
 def groups(src_cfg, tgt_cfg, scope):
@@ -137,10 +156,12 @@ def groups(src_cfg, tgt_cfg, scope):
 
 
 def add_batch(stats, split, src_kv, tgt_kv, products=torch.float64):
-    """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split."""
+    """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split.
+    Layers of models split across devices (model.place) are brought to the statistics' device."""
+    device = stats.part("k", split).xx.device
     for i, kind in enumerate(KINDS):
-        x = features([src_kv[i][l] for l in stats.src_layers], stats.scope)  # (G, N, Ls, Bx)
-        y = features(tgt_kv[i], stats.scope)                                # (G, N, Lt, By)
+        x = features([src_kv[i][l].to(device) for l in stats.src_layers], stats.scope)  # (G, N, Ls, Bx)
+        y = features([t.to(device) for t in tgt_kv[i]], stats.scope)                    # (G, N, Lt, By)
         stats.part(kind, split).add_(x.flatten(2), y.flatten(2), products)  # (G, N, F), (G, N, O)
 
 
@@ -158,27 +179,56 @@ def accumulate(source, target, ids, stats, batch_size=1, path=None, every=20, pr
     """Stream every not-yet-seen sequence of ids (n, T) through both models into stats (in place).
 
     The last held_out(n) sequences go to the held-out split. With `path`, the statistics are saved
-    there every `every` batches and at the end, and a run that finds a checkpoint resumes from it.
+    there every `every` rounds and at the end, and a run that finds a checkpoint resumes from it.
     products: the dtype of the per-batch products (see Sums.add_).
-    Returns the statistics (the loaded ones when resuming)."""
+
+    Data parallel under torchrun (dist.py; every rank calls this with the same ids and stats): the
+    batches are dealt out in rounds, one batch per rank, and the ranks' sums are all-reduced at every
+    checkpoint and at the end, so every rank returns the statistics over all of ids, equal to one
+    process's up to the order of summation. The invariant: the ranks' sums add up to the statistics
+    of the first stats.seen sequences (what stats held on entry counts once, on rank 0). A checkpoint
+    holds those totals and a resume point between rounds, so it resumes with any number of ranks.
+    Returns stats."""
     if path and Path(path).exists():
-        stats = load_stats(path, like=stats, device=stats.part("k", "fit").xx.device)
+        load_stats(path, like=stats)                    # into stats' own tensors: no second copy
     stats.data = stats.data or data_hash(ids)
     if stats.data != data_hash(ids):
         raise KvtError(f"statistics {path or ''} were accumulated over other calibration ids; delete the file "
                        "or use the same corpus, --calib-n, --calib-len and seed")
+    if dist.rank() > 0:
+        zero_(stats)
     n, n_fit = len(ids), len(ids) - held_out(len(ids))
     starts = [*range(0, n_fit, batch_size), *range(n_fit, n, batch_size)]  # batches never straddle splits
-    todo = [s for s in starts if s >= stats.seen]
-    device = next(source.parameters()).device
-    for i, s in enumerate(tqdm(todo, desc=f"calibration stats ({stats.scope})", disable=not progress)):
-        e = min(s + batch_size, n_fit if s < n_fit else n)
-        batch = ids[s:e].to(device)
-        add_batch(stats, "fit" if s < n_fit else "held", capture(source, batch), capture(target, batch), products)
-        stats.seen = e
-        if path and ((i + 1) % every == 0 or e == n):
-            save_stats(stats, path)
+    todo = [(s, min(s + batch_size, n_fit if s < n_fit else n)) for s in starts if s >= stats.seen]
+    rounds = [todo[i:i + dist.world()] for i in range(0, len(todo), dist.world())]
+    devices = [next(m.parameters()).device for m in (source, target)]      # where each model's input goes
+    desc = f"calibration stats ({stats.scope})"
+    for i, batches in enumerate(tqdm(rounds, desc=desc, disable=not progress or dist.rank() > 0)):
+        for s, e in dist.shard(batches):                                     # this rank's batch, if any
+            src, tgt = (capture(m, ids[s:e].to(d)) for m, d in zip((source, target), devices))
+            add_batch(stats, "fit" if s < n_fit else "held", src, tgt, products)
+        stats.seen = batches[-1][1]
+        if path and ((i + 1) % every == 0 or stats.seen == n):
+            all_reduce_(stats)
+            if dist.rank() == 0:
+                save_stats(stats, path)
+            else:
+                zero_(stats)                              # the totals count once: on rank 0
+    return all_reduce_(stats)                             # every rank: the sums over all of ids
+
+
+def all_reduce_(stats):
+    """Sum every rank's statistics, in place, in their own dtype (float64 by default). Returns stats."""
+    for s in stats.sums.values():
+        for t in s.tensors():
+            dist.all_reduce_(t)
     return stats
+
+
+def zero_(stats):
+    for s in stats.sums.values():
+        for t in s.tensors():
+            t.zero_()
 
 
 def save_stats(stats, path):
@@ -192,19 +242,25 @@ def save_stats(stats, path):
 
 
 def load_stats(path, like=None, device=None):
-    """Read stats saved by save_stats; with `like`, refuse a file that covers something else."""
-    with safe_open(str(path), "pt") as f:
+    """Read stats saved by save_stats. With `like`, refuse a file that covers something else, and read
+    the sums into like's own tensors (one tensor at a time, so memory never holds two copies); returns like."""
+    names = [f"{k}.{s}" for k in KINDS for s in SPLITS]
+    with safe_open(str(path), "pt", device=str(device or "cpu")) as f:
         meta = f.metadata()
-    t = load_file(str(path), device=str(device or "cpu"))
-    sums = {name: Sums(*(t[f"{name}.{f}"] for f in FIELDS)) for name in (f"{k}.{s}" for k in KINDS for s in SPLITS)}
-    stats = Stats(meta["scope"], json.loads(meta["src_layers"]), int(meta["n_tgt"]), int(meta["bx"]),
-                  int(meta["by"]), sums, int(meta["seen"]), meta["data"])
-    if like is not None:
-        have = (stats.scope, stats.src_layers, stats.n_tgt, stats.bx, stats.by)
-        want = (like.scope, like.src_layers, like.n_tgt, like.bx, like.by)
-        if have != want:
-            raise KvtError(f"statistics file {path} is for another calibration plan {have}, not {want}; "
-                           "delete it to start over")
+        plan = (meta["scope"], json.loads(meta["src_layers"]), int(meta["n_tgt"]), int(meta["bx"]), int(meta["by"]))
+        if like is None:
+            sums = {name: Sums(*(f.get_tensor(f"{name}.{fld}") for fld in FIELDS)) for name in names}
+            stats = Stats(*plan, sums)
+        else:
+            want = (like.scope, like.src_layers, like.n_tgt, like.bx, like.by)
+            if plan != want:
+                raise KvtError(f"statistics file {path} is for another calibration plan {plan}, not {want}; "
+                               "delete it to start over")
+            for name in names:
+                for fld in FIELDS:
+                    getattr(like.sums[name], fld).copy_(f.get_tensor(f"{name}.{fld}"))
+            stats = like
+    stats.seen, stats.data = int(meta["seen"]), meta["data"]
     check_finite(stats)
     return stats
 
@@ -220,36 +276,38 @@ def check_finite(stats):
 
 # ---- memory plan -------------------------------------------------------------------------------------
 
-def sums_bytes(G, F, O):
-    """Bytes of the four Sums (K, V x fit, held) of one Stats in float64."""
-    return 4 * 8 * (G * F * F + G * F * O + G * F + 2 * G * O + 1)
+def sums_bytes(G, F, O, itemsize=8):
+    """Bytes of the four Sums (K, V x fit, held) of one Stats (float64: itemsize 8; float32: 4)."""
+    return 4 * itemsize * (G * F * F + G * F * O + G * F + 2 * G * O + 1)
 
 
-def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024):
+def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None, dtype=torch.float64):
     """[(pass, bytes)]: what calibration holds in memory, besides the two models.
 
-    Head scope: one pass over all source layers. Layer scope on a matched-KV pair: a head-level pass
-    to select layers, then a layer-level pass over the union of the selected layers (at most
-    min(L_src, k * L_tgt) of them; the bound is what is shown). Layer scope on other pairs: one
-    layer-level pass over all source layers. Each pass also holds one batch of features in float64."""
+    Head scope: one pass over the C candidate source layers (all L_src unless `candidates`). Layer scope
+    on a matched-KV pair: a head-level pass to select layers, then a layer-level pass over the union of
+    the selected layers (at most min(C, k * L_tgt) of them; the bound is what is shown). Layer scope on
+    other pairs: one layer-level pass over the C candidates. The passes run one after the other (the
+    first is freed before the second). Each also holds one batch of features in float64."""
     check_matched_kv(src_cfg, tgt_cfg, scope)
-    Ls, Lt = src_cfg.n_layers, tgt_cfg.n_layers
+    C, Lt = len(candidate_layers(src_cfg.n_layers, candidates)), tgt_cfg.n_layers
     matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
+    size = torch.empty((), dtype=dtype).element_size()
     rows = []
-    if matched:  # head-level statistics over all source layers (the whole of head scope)
+    if matched:  # head-level statistics over the candidate source layers (the whole of head scope)
         G, bx, by = groups(src_cfg, tgt_cfg, "head")
-        rows.append(("head statistics, all source layers", pass_bytes(G, Ls * bx, Lt * by, batch_tokens)))
+        rows.append((f"head statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size)))
     if scope == "layer":
         G, bx, by = groups(src_cfg, tgt_cfg, "layer")
-        U = min(Ls, k * Lt) if matched else Ls
+        U = min(C, k * Lt) if matched else C
         rows.append((f"layer statistics, {U} source layers" + (" (at most)" if matched else ""),
-                     pass_bytes(G, U * bx, Lt * by, batch_tokens)))
+                     pass_bytes(G, U * bx, Lt * by, batch_tokens, size)))
     return rows
 
 
-def pass_bytes(G, F, O, batch_tokens):
+def pass_bytes(G, F, O, batch_tokens, itemsize=8):
     """Sums of one pass, plus one batch of float64 features for K and V."""
-    return sums_bytes(G, F, O) + 2 * 8 * batch_tokens * G * (F + O)
+    return sums_bytes(G, F, O, itemsize) + 2 * 8 * batch_tokens * G * (F + O)
 
 
 def describe_plan(rows):

@@ -20,14 +20,13 @@ class Tokenizer:
         if not file.exists():
             raise KvtError(f"no tokenizer.json at {path}; the checkpoint folder should contain one")
         self.tok = _HFTokenizer.from_file(str(file))
+        prefix = self.tok.encode("", add_special_tokens=True).ids  # what the post-processor puts first
+        self.bos_id = prefix[0] if prefix else None                 # Llama 3: <|begin_of_text|>; Qwen3: None
         extra = file.with_name("tokenizer_config.json")
         conf = json.loads(extra.read_text()) if extra.exists() else {}
-        self.bos_id = self._special_id(conf.get("bos_token"))
-        self.eos_id = self._special_id(conf.get("eos_token"))
-
-    def _special_id(self, token):
-        token = token.get("content") if isinstance(token, dict) else token
-        return self.tok.token_to_id(token) if token else None
+        eos = conf.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        self.eos_id = self.tok.token_to_id(eos) if eos else None
 
     def encode(self, text, special=True):
         """text -> token ids; special=True adds what the family's post-processor adds (Llama 3: BOS)."""

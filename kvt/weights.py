@@ -49,8 +49,9 @@ LAYOUTS = {  # cfg.prefix -> the (decoder prefix, lm_head name) pairs a checkpoi
 
 def checkpoint_names(cfg, name):
     """kvt parameter name -> the checkpoint tensor names it may be stored under."""
-    if name == "lm_head.weight":
-        return [head for _, head in LAYOUTS[cfg.prefix]]
+    if name == "lm_head.weight":  # a tied head split from its embedding is loaded from the embedding
+        tied = [prefix + "embed_tokens.weight" for prefix, _ in LAYOUTS[cfg.prefix]] if cfg.tie_embeddings else []
+        return [head for _, head in LAYOUTS[cfg.prefix]] + tied
     return [prefix + name.removeprefix("model.") for prefix, _ in LAYOUTS[cfg.prefix]]
 
 
