@@ -84,3 +84,9 @@ def gather(records):
         return None
     longest = max(len(p) for p in parts)
     return [p[j] for j in range(longest) for p in parts if j < len(p)]   # undo the stride
+
+
+def barrier():
+    """Wait for every rank (e.g. until all have written their share of the records)."""
+    if world() > 1:
+        td.barrier()

@@ -1,0 +1,333 @@
+"""The toy family: a synthetic corpus where context matters, its tokenizer, and three small Qwen3 models.
+
+`python run.py` with no arguments needs two models of one family that fit in the repo and train in
+minutes on a laptop. This file makes them, from nothing but a seed:
+
+  corpus(n, seed)      documents of templated English whose later sentences can only be predicted from
+                       earlier ones: facts stated then asked again ("the city of anna is rome ." ...
+                       "the city of anna is" -> rome), copying, counting, and random filler prose.
+                       Every attribute value is drawn uniformly, so without the context a model is at
+                       chance on the recall questions.
+  toy_tasks(name, n, seed)  evaluation records in the shapes the real tasks use (see TASKS below).
+  train_tokenizer(texts)    a byte-level BPE (like Qwen3's) with VOCAB entries, via `tokenizers`.
+  train(...)           one member of FAMILY, trained by kvt's own model code with AdamW.
+
+    python -m kvt.toy train --out weights      # retrains weights/toy-{s,m,l}/ (deterministic on CPU)
+
+All members share the tokenizer, the KV-head count (Hkv=2) and the head dim (D=32), so any two of
+them form a matched-KV pair; they differ in depth and width.
+
+Task records (plain dicts, the field names the evals use for real data sets):
+
+  multiple choice, scored by loglikelihood of each choice after the context (chance = 1/len(choices)):
+      {"context": "... the city of anna is", "choices": [" rome", " lima", " oslo", " paris"], "label": 0}
+      choices start with a space, as lm-evaluation-harness continuations do.
+  exact match after greedy generation:
+      {"prompt": "copy : cat red lima dog . again :", "answer": "cat red lima dog", "until": ["."]}
+      generate until a string of `until` appears (or a few dozen tokens), cut it, strip whitespace,
+      and compare with `answer`.
+
+  TASKS = recall (MC, 4 choices), recall_gen (EM, the value word), copy (EM), count (MC, 6 choices).
+"""
+import argparse
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kvt.config import Config
+from kvt.model import build_model
+from kvt.tokenizer import load_tokenizer
+from kvt.weights import save_model
+
+# ---------------------------------------------------------------------------------------------------
+# The corpus. Every vocabulary word below becomes one token of the tokenizer (checked by a test).
+
+NAMES = ("anna ben carl dora emma finn gina hugo ivan jane kate liam mia nora omar paul rosa sam tara "
+         "uma vera walt yuri zoe alan beth cole dean ella gus hana ian jack kim leo max ned olga pia "
+         "ray sue tom vic wes yara zack").split()                                          # 48 keys
+ATTRIBUTES = {  # attribute -> its 12 values
+    "colors": "red blue green yellow black white purple orange pink brown gray gold".split(),
+    "cities": "paris rome tokyo cairo lima oslo delhi berlin madrid sydney boston dublin".split(),
+    "pets": "cat dog fish bird horse mouse frog snake rabbit goat sheep duck".split(),
+    "fruits": "apple pear plum grape lemon mango peach melon cherry banana kiwi lime".split(),
+}
+VALUES = [v for vs in ATTRIBUTES.values() for v in vs]
+PLACES = "park lake shop school market garden river station library beach".split()
+WEATHER = "warm cold sunny rainy windy quiet".split()
+MAX_COUNT = 6
+
+
+def _prose(rng):
+    """One filler sentence: random and name-free, so it carries nothing a later question could use."""
+    return rng.choice([
+        f"we walk to the {rng.choice(PLACES)} .",
+        f"the weather is {rng.choice(WEATHER)} today .",
+        f"it is a {rng.choice(WEATHER)} day at the {rng.choice(PLACES)} .",
+        f"the {rng.choice(PLACES)} is {rng.choice(WEATHER)} .",
+    ])
+
+
+def _pairs(pairs):
+    return " , ".join(f"{name} {value}" for name, value in pairs)
+
+
+def _roster(rng, names):
+    """'the pets : anna cat , ben dog .' -> (text, [(name, value)], attribute); values drawn uniformly."""
+    attribute = rng.choice(list(ATTRIBUTES))
+    pairs = [(n, rng.choice(ATTRIBUTES[attribute])) for n in names]
+    return f"the {attribute} : {_pairs(pairs)} .", pairs, attribute
+
+
+def _recall(rng, names, n_filler):
+    """A roster, filler prose, then some of its names again in a new order, each followed by its value.
+
+    The value after a repeated name is the recall answer: a model finds the name's earlier occurrence
+    and copies what followed it (associative recall, an induction-head task)."""
+    roster, pairs, _ = _roster(rng, names)
+    asked = rng.sample(pairs, rng.randint((len(pairs) + 1) // 2, len(pairs)))
+    filler = [_prose(rng) for _ in range(n_filler)]
+    return " ".join([roster] + filler + [f"so {_pairs(asked)} ."])
+
+
+def _copy_words(rng, k):
+    return [rng.choice(VALUES) for _ in range(k)]  # no names: a name is always a recall key
+
+
+def _copy(rng):
+    words = " ".join(_copy_words(rng, rng.randint(4, 10)))
+    return f"copy : {words} . again : {words} ."
+
+
+def _count(rng):
+    """'count dog : dog cat dog . answer 2 .' - how often the first word appears in the list."""
+    target, *others = rng.sample(ATTRIBUTES["pets"], 3)
+    k = rng.randint(1, MAX_COUNT)
+    items = [target] * k + [rng.choice(others) for _ in range(rng.randint(1, 6))]
+    rng.shuffle(items)
+    return f"count {target} : {' '.join(items)} . answer {k} ."
+
+
+def document(rng):
+    """One training document: a few segments of the kinds above, newline-separated."""
+    parts, names = [], rng.sample(NAMES, len(NAMES))  # names are not reused within a document
+    for _ in range(rng.randint(2, 4)):
+        kind = rng.random()
+        if kind < 0.65:
+            n = rng.randint(2, 12)
+            parts.append(_recall(rng, names[:n], rng.randint(0, 3)))
+            names = names[n:]
+        elif kind < 0.8:
+            parts.append(_copy(rng))
+        elif kind < 0.92:
+            parts.append(_count(rng))
+        else:
+            parts.append(" ".join(_prose(rng) for _ in range(rng.randint(1, 4))))
+    return "\n".join(parts)
+
+
+def corpus(n, seed=0):
+    """n documents (list of str), the same ones for the same seed."""
+    rng = random.Random(seed)
+    return [document(rng) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation tasks, generated on the fly (seed 1234 by default, disjoint in spirit from training seed 0:
+# the generator draws fresh random facts, so no item is memorizable).
+
+def _recall_item(rng, n_names=12, n_filler=3):
+    """(context ending with a name asked again, its value, the attribute)."""
+    roster, pairs, attribute = _roster(rng, rng.sample(NAMES, n_names))
+    name, value = rng.choice(pairs)
+    filler = [_prose(rng) for _ in range(n_filler)]
+    return " ".join([roster] + filler + [f"so {name}"]), value, attribute
+
+
+def _choices(rng, right, pool, k):
+    """k choices including `right`, shuffled -> (choices with a leading space, label)."""
+    options = [right] + rng.sample([v for v in pool if v != right], k - 1)
+    rng.shuffle(options)
+    return [" " + o for o in options], options.index(right)
+
+
+def toy_tasks(name, n, seed=1234):
+    """n records of task `name` (see the module docstring), the same for the same seed."""
+    rng = random.Random(f"{name}-{seed}")
+    out = []
+    for _ in range(n):
+        if name == "recall":
+            context, value, attribute = _recall_item(rng)
+            choices, label = _choices(rng, value, ATTRIBUTES[attribute], 4)
+            out.append({"context": context, "choices": choices, "label": label})
+        elif name == "recall_gen":
+            context, value, _ = _recall_item(rng)
+            out.append({"prompt": context, "answer": value, "until": [",", "."]})
+        elif name == "copy":
+            words = " ".join(_copy_words(rng, 6))
+            out.append({"prompt": f"copy : {words} . again :", "answer": words, "until": ["."]})
+        elif name == "count":
+            text = _count(rng)
+            context, k = text.rsplit(" answer ", 1)[0] + " answer", int(text.split()[-2])
+            out.append({"context": context, "choices": [f" {i}" for i in range(1, MAX_COUNT + 1)], "label": k - 1})
+        else:
+            raise ValueError(f"unknown toy task {name!r}; known: {', '.join(TASKS)}")
+    return out
+
+
+TASKS = ("recall", "recall_gen", "copy", "count")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer: byte-level BPE like Qwen3's (any text encodes), trained on the corpus until every word
+# is a single token; its vocabulary is whatever that takes (a few hundred entries), at most VOCAB.
+
+VOCAB = 1024
+EOS = "<|endoftext|>"
+
+
+def train_tokenizer(texts):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------------
+# The family. Shared by all members: Hkv=2 KV heads of D=32, H=4 query heads, the tokenizer, the RoPE.
+
+FAMILY = {  # name: (dim C, layers L, ffn_dim, training steps)
+    "toy-s": (64, 2, 192, 2000),
+    "toy-m": (96, 3, 288, 2000),
+    "toy-l": (128, 4, 384, 2000),
+}
+SEQ, BATCH, LR = 256, 16, 5e-3     # tokens per row, rows per step, peak learning rate
+N_DOCS = 20_000                    # training documents (about 3M tokens, seed 0)
+
+
+def config(name, vocab_size, eos_id):
+    dim, n_layers, ffn_dim, _ = FAMILY[name]
+    return Config(family="qwen3", vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                  head_dim=32, ffn_dim=ffn_dim, norm_eps=1e-6, rope={"rope_type": "default", "rope_theta": 10000.0},
+                  tie_embeddings=True, max_seq_len=4096, bos_token_id=None, eos_token_id=eos_id)
+
+
+def token_stream(tok, texts):
+    """All documents as one (N,) tensor of token ids, each followed by EOS, and (S,) the document starts."""
+    eos = tok.token_to_id(EOS)
+    ids = torch.tensor([i for enc in tok.encode_batch(texts) for i in enc.ids + [eos]])  # (N,)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (ids == eos).nonzero()[:-1, 0] + 1])  # (S,)
+    return ids, starts[starts < len(ids) - SEQ - 1]
+
+
+def train(cfg, ids, starts, steps, seed=0, log=print):
+    """A kvt Transformer trained with AdamW on rows of SEQ tokens that begin at document starts, as the
+    evaluation contexts do. Returns the model in eval mode and the last step's loss."""
+    model = build_model(cfg, seed=seed).train().requires_grad_(True)
+    params = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norms: no decay
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(seed)
+    t0 = time.time()
+    for step in range(steps):
+        lr = LR * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))  # warmup, cosine
+        for group in opt.param_groups:
+            group["lr"] = lr
+        first = starts[torch.randint(0, len(starts), (BATCH,), generator=g)]       # (B,)
+        rows = ids[first[:, None] + torch.arange(SEQ + 1)]                          # (B, SEQ+1)
+        logits, _ = model(rows[:, :-1])                                             # (B, SEQ, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())        # logits[t] predict rows[t+1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 250 == 0 or step == steps - 1:
+            log(f"{cfg.n_layers}x{cfg.dim} step {step:4d}  loss {loss.item():.3f}  lr {lr:.1e}  {time.time() - t0:.0f}s")
+    return model.eval().requires_grad_(False), loss.item()
+
+
+@torch.no_grad()
+def choice_accuracy(model, tok, items, context=True):
+    """Accuracy on multiple-choice records: the choice with the highest loglikelihood after the context
+    wins. context=False keeps only the context's last clause (the question): the "floor" condition.
+    tok is a kvt Tokenizer."""
+    right = 0
+    for it in items:
+        ctx = it["context"] if context else it["context"].rsplit(" . ", 1)[-1]
+        c = tok.encode(ctx)
+        xs = [tok.encode(choice, special=False) for choice in it["choices"]]
+        n = max(map(len, xs))
+        rows = torch.tensor([c + x + [0] * (n - len(x)) for x in xs])              # (K, T) right-padded
+        logp = model(rows)[0][:, len(c) - 1:-1].log_softmax(-1)                    # (K, n, V): t predicts t+1
+        scores = [logp[k, torch.arange(len(x)), x].sum().item() for k, x in enumerate(xs)]
+        right += max(range(len(xs)), key=scores.__getitem__) == it["label"]
+    return right / len(items)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saving, in the Hugging Face layout, so transformers' AutoModelForCausalLM loads the folders too.
+
+def _write(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(model, tok, path):
+    """config.json, model.safetensors, tokenizer.json and tokenizer_config.json in the folder `path`."""
+    path = Path(path)
+    save_model(model, path)
+    hf = json.loads((path / "config.json").read_text())
+    hf.update(rope_theta=model.config.rope["rope_theta"], dtype="float32")  # rope_theta: for transformers 4.x
+    _write(path / "config.json", json.dumps(hf, indent=2) + "\n")
+    _write(path / "tokenizer.json", tok.to_str())
+    _write(path / "tokenizer_config.json", json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": EOS, "pad_token": EOS,
+        "unk_token": None, "model_max_length": model.config.max_seq_len, "clean_up_tokenization_spaces": False,
+    }, indent=2) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m kvt.toy", description="Retrain the toy family from its seed.")
+    p.add_argument("command", choices=["train"])
+    p.add_argument("--out", default="weights", help="writes OUT/toy-s, OUT/toy-m, OUT/toy-l")
+    p.add_argument("--members", nargs="+", choices=list(FAMILY), default=list(FAMILY))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # matrices this small run faster on one thread, and one thread is reproducible
+    texts = corpus(N_DOCS, seed=0)
+    tok = train_tokenizer(texts)
+    ids, starts = token_stream(tok, texts)
+    vocab_size = -(-tok.get_vocab_size() // 64) * 64           # rounded up, as real checkpoints pad it
+    print(f"corpus: {len(texts)} documents, {len(ids)} tokens; vocabulary {tok.get_vocab_size()} (model {vocab_size})")
+    items, table = toy_tasks("recall", 200), []
+    for name in args.members:
+        t0 = time.time()
+        model, loss = train(config(name, vocab_size, tok.token_to_id(EOS)), ids, starts, FAMILY[name][3])
+        seconds, path = time.time() - t0, Path(args.out) / name
+        save(model, tok, path)
+        saved = load_tokenizer(path)
+        acc, floor = choice_accuracy(model, saved, items), choice_accuracy(model, saved, items, context=False)
+        record = {"params": sum(p.numel() for p in model.parameters()), "steps": FAMILY[name][3],
+                  "seconds": round(seconds), "final_loss": round(loss, 3), "recall": acc, "recall_floor": floor,
+                  "recall_items": len(items)}
+        _write(path / "toy_train.json", json.dumps(record, indent=2) + "\n")  # what this run measured
+        table.append((name, record))
+    print(f"\n{'model':8} {'params':>8} {'steps':>6} {'train s':>8} {'loss':>6} {'recall':>7} {'floor':>6}")
+    for name, r in table:
+        print(f"{name:8} {r['params']:8d} {r['steps']:6d} {r['seconds']:8d} {r['final_loss']:6.3f} "
+              f"{r['recall']:7.2f} {r['recall_floor']:6.2f}")
+    print(f"recall: {len(items)} items, 4 choices (chance 0.25); floor = the question without the facts")
+
+
+if __name__ == "__main__":
+    main()
