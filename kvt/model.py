@@ -195,7 +195,7 @@ def build_model(cfg, dtype=torch.float32, device="cpu", seed=0, std=0.02):
 def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=None):
     """Greedy decoding from a prefilled state: `logits` (B, V) are the last position's, `cache` holds
     the context. Stops a row at a token in stop_ids or once decode(row tokens) contains a stop string.
-    Returns a list of B token lists (stop strings and stop tokens cut off when decode is given)."""
+    Returns a list of B token lists, without the stop token; a stop string stays in the text (callers cut it)."""
     B = logits.shape[0]
     out = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool)
