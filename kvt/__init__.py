@@ -5,7 +5,8 @@ Stages, in the order data flows (a module never imports from a later one):
   toy                                                           a tiny trained family for offline use
   capture, stats                                                position-free KV -> streamed statistics
   ridge, mlp                                                    fit
-  mapper, handoff                                               apply a map, hand a context over
+  mapper, plan, handoff                                         apply a map, plan memory, hand a context over
+  figures                                                       draw the layer R^2 map (tutorial.md)
   evals, bench                                                  measure retention and speed
 """
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ import kvt
 
 KVT = Path(kvt.__file__).parent
 ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "cache", "model", "toy",
-         "capture", "stats", "ridge", "mlp", "mapper", "handoff", "evals", "bench"]
+         "capture", "stats", "ridge", "mlp", "mapper", "plan", "handoff", "figures", "evals", "bench"]
 
 
 def kvt_imports(file):
