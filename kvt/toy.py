@@ -1,33 +1,35 @@
 """The toy family: a synthetic corpus where context matters, its tokenizer, and three small Qwen3 models.
 
 `python run.py` with no arguments needs two models of one family that fit in the repo and train in
-minutes on a laptop. This file makes them, from nothing but a seed:
+minutes on a laptop. This file makes them from nothing but a seed:
 
-  corpus(n, seed)      documents of templated English whose later sentences can only be predicted from
-                       earlier ones: facts stated then asked again ("the city of anna is rome ." ...
-                       "the city of anna is" -> rome), copying, counting, and random filler prose.
-                       Every attribute value is drawn uniformly, so without the context a model is at
-                       chance on the recall questions.
-  toy_tasks(name, n, seed)  evaluation records in the shapes the real tasks use (see TASKS below).
-  train_tokenizer(texts)    a byte-level BPE (like Qwen3's) with VOCAB entries, via `tokenizers`.
-  train(...)           one member of FAMILY, trained by kvt's own model code with AdamW.
+    python -m kvt.toy train --out weights      # retrains weights/toy-{s,m,l}/, deterministically
 
-    python -m kvt.toy train --out weights      # retrains weights/toy-{s,m,l}/ (deterministic on CPU)
+  corpus(n, seed)           documents of templated text whose later words can only be predicted from
+                            earlier ones: a roster ("the pets : anna cat , ben dog .") whose names come
+                            back later followed by their values ("so ben dog , anna cat ."), copying,
+                            counting and filler prose. Values are drawn uniformly, so without the
+                            context a model is at chance on the recall questions.
+  toy_tasks(name, n, seed)  evaluation records in the shapes the real tasks use (below).
+  train_tokenizer(texts)    a byte-level BPE like Qwen3's, trained with `tokenizers`.
+  train(...)                one member of FAMILY, trained by kvt's own model code with AdamW.
 
 All members share the tokenizer, the KV-head count (Hkv=2) and the head dim (D=32), so any two of
 them form a matched-KV pair; they differ in depth and width.
 
-Task records (plain dicts, the field names the evals use for real data sets):
+Task records (plain dicts, in the field names the evals use for real data sets):
 
-  multiple choice, scored by loglikelihood of each choice after the context (chance = 1/len(choices)):
-      {"context": "... the city of anna is", "choices": [" rome", " lima", " oslo", " paris"], "label": 0}
-      choices start with a space, as lm-evaluation-harness continuations do.
+  multiple choice, scored by the loglikelihood of each choice after the context (chance 1/len(choices)):
+      {"context": "the pets : anna cat , ben dog , ... . we walk to the park . so ben",
+       "choices": [" frog", " dog", " cat", " duck"], "label": 1}
+      choices start with a space, as lm-evaluation-harness continuations do; the question is the
+      context's last clause ("so ben"), the "floor" condition scores the choices after it alone.
   exact match after greedy generation:
       {"prompt": "copy : cat red lima dog . again :", "answer": "cat red lima dog", "until": ["."]}
-      generate until a string of `until` appears (or a few dozen tokens), cut it, strip whitespace,
-      and compare with `answer`.
+      generate until a string of `until` appears (or a few dozen tokens), cut it there, strip
+      whitespace, compare with `answer`.
 
-  TASKS = recall (MC, 4 choices), recall_gen (EM, the value word), copy (EM), count (MC, 6 choices).
+  TASKS: recall (MC, 4 choices), recall_gen (EM, the value), copy (EM, 6 words), count (MC, 6 choices).
 """
 import argparse
 import json
@@ -120,7 +122,7 @@ def document(rng):
     parts, names = [], rng.sample(NAMES, len(NAMES))  # names are not reused within a document
     for _ in range(rng.randint(2, 4)):
         kind = rng.random()
-        if kind < 0.65:
+        if kind < 0.55:
             n = rng.randint(2, 12)
             parts.append(_recall(rng, names[:n], rng.randint(0, 3)))
             names = names[n:]
@@ -206,17 +208,18 @@ def train_tokenizer(texts):
 # ---------------------------------------------------------------------------------------------------
 # The family. Shared by all members: Hkv=2 KV heads of D=32, H=4 query heads, the tokenizer, the RoPE.
 
-FAMILY = {  # name: (dim C, layers L, ffn_dim, training steps)
-    "toy-s": (64, 2, 192, 2000),
-    "toy-m": (96, 3, 288, 2000),
-    "toy-l": (128, 4, 384, 2000),
+FAMILY = {  # name: (dim C, layers L, ffn_dim)
+    "toy-s": (64, 2, 192),
+    "toy-m": (96, 3, 288),
+    "toy-l": (128, 4, 384),
 }
-SEQ, BATCH, LR = 256, 16, 5e-3     # tokens per row, rows per step, peak learning rate
+SEQ, BATCH, LR = 256, 16, 5e-3     # tokens per row, rows per step, learning rate
+CHECK, SOLVED, COOL, MAX_STEPS = 100, 0.95, 0.25, 4000   # see train()
 N_DOCS = 20_000                    # training documents (about 3M tokens, seed 0)
 
 
 def config(name, vocab_size, eos_id):
-    dim, n_layers, ffn_dim, _ = FAMILY[name]
+    dim, n_layers, ffn_dim = FAMILY[name]
     return Config(family="qwen3", vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2,
                   head_dim=32, ffn_dim=ffn_dim, norm_eps=1e-6, rope={"rope_type": "default", "rope_theta": 10000.0},
                   tie_embeddings=True, max_seq_len=4096, bos_token_id=None, eos_token_id=eos_id)
@@ -230,17 +233,24 @@ def token_stream(tok, texts):
     return ids, starts[starts < len(ids) - SEQ - 1]
 
 
-def train(cfg, ids, starts, steps, seed=0, log=print):
+def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print):
     """A kvt Transformer trained with AdamW on rows of SEQ tokens that begin at document starts, as the
-    evaluation contexts do. Returns the model in eval mode and the last step's loss."""
+    evaluation contexts do. encode: str -> token ids. Returns the model (eval mode) and a record of the run.
+
+    Recall arrives suddenly, when the model forms induction heads (a phase change, after 1-2k steps
+    here). So the schedule is: warm up, hold the learning rate until held-out recall reaches SOLVED
+    (checked every CHECK steps), then cool down linearly for COOL of the steps taken so far."""
     model = build_model(cfg, seed=seed).train().requires_grad_(True)
     params = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norms: no decay
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(seed)
-    t0 = time.time()
-    for step in range(steps):
-        lr = LR * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))  # warmup, cosine
+    dev = toy_tasks("recall", 50, seed=seed + 1)     # held out: the evaluation uses seed 1234
+    t0, solved_at, stop, step = time.time(), None, max_steps, 0
+    while step < stop:
+        lr = LR * min(1.0, (step + 1) / 50)                                         # warmup, then hold
+        if solved_at is not None:
+            lr *= (stop - step) / (stop - solved_at)                                # linear cooldown to 0
         for group in opt.param_groups:
             group["lr"] = lr
         first = starts[torch.randint(0, len(starts), (BATCH,), generator=g)]       # (B,)
@@ -251,21 +261,28 @@ def train(cfg, ids, starts, steps, seed=0, log=print):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 250 == 0 or step == steps - 1:
-            log(f"{cfg.n_layers}x{cfg.dim} step {step:4d}  loss {loss.item():.3f}  lr {lr:.1e}  {time.time() - t0:.0f}s")
-    return model.eval().requires_grad_(False), loss.item()
+        step += 1
+        if step % CHECK == 0 and solved_at is None:
+            acc = choice_accuracy(model.eval(), encode, dev)
+            model.train()
+            log(f"{cfg.n_layers}x{cfg.dim} step {step:4d}  loss {loss.item():.3f}  held-out recall {acc:.2f}  "
+                f"{time.time() - t0:.0f}s")
+            if acc >= SOLVED:
+                solved_at, stop = step, min(max_steps, step + int(COOL * step))
+    record = {"steps": step, "solved_at": solved_at, "seconds": round(time.time() - t0), "final_loss": round(loss.item(), 3)}
+    return model.eval().requires_grad_(False), record
 
 
 @torch.no_grad()
-def choice_accuracy(model, tok, items, context=True):
+def choice_accuracy(model, encode, items, context=True):
     """Accuracy on multiple-choice records: the choice with the highest loglikelihood after the context
     wins. context=False keeps only the context's last clause (the question): the "floor" condition.
-    tok is a kvt Tokenizer."""
+    encode: str -> token ids (the toy tokenizer adds no BOS, so context and choices encode alike)."""
     right = 0
     for it in items:
         ctx = it["context"] if context else it["context"].rsplit(" . ", 1)[-1]
-        c = tok.encode(ctx)
-        xs = [tok.encode(choice, special=False) for choice in it["choices"]]
+        c = encode(ctx)
+        xs = [encode(choice) for choice in it["choices"]]
         n = max(map(len, xs))
         rows = torch.tensor([c + x + [0] * (n - len(x)) for x in xs])              # (K, T) right-padded
         logp = model(rows)[0][:, len(c) - 1:-1].log_softmax(-1)                    # (K, n, V): t predicts t+1
@@ -311,15 +328,13 @@ def main(argv=None):
     print(f"corpus: {len(texts)} documents, {len(ids)} tokens; vocabulary {tok.get_vocab_size()} (model {vocab_size})")
     items, table = toy_tasks("recall", 200), []
     for name in args.members:
-        t0 = time.time()
-        model, loss = train(config(name, vocab_size, tok.token_to_id(EOS)), ids, starts, FAMILY[name][3])
-        seconds, path = time.time() - t0, Path(args.out) / name
+        path = Path(args.out) / name
+        model, record = train(config(name, vocab_size, tok.token_to_id(EOS)), ids, starts, lambda s: tok.encode(s).ids)
         save(model, tok, path)
-        saved = load_tokenizer(path)
-        acc, floor = choice_accuracy(model, saved, items), choice_accuracy(model, saved, items, context=False)
-        record = {"params": sum(p.numel() for p in model.parameters()), "steps": FAMILY[name][3],
-                  "seconds": round(seconds), "final_loss": round(loss, 3), "recall": acc, "recall_floor": floor,
-                  "recall_items": len(items)}
+        encode = load_tokenizer(path).encode             # scored as every later user will read the folder
+        acc, floor = choice_accuracy(model, encode, items), choice_accuracy(model, encode, items, context=False)
+        record.update(params=sum(p.numel() for p in model.parameters()), recall=acc, recall_floor=floor,
+                      recall_items=len(items))
         _write(path / "toy_train.json", json.dumps(record, indent=2) + "\n")  # what this run measured
         table.append((name, record))
     print(f"\n{'model':8} {'params':>8} {'steps':>6} {'train s':>8} {'loss':>6} {'recall':>7} {'floor':>6}")

@@ -1,0 +1,156 @@
+"""Figures: the source-layer x target-layer R^2 map and the layers selection chose, in a terminal or a PNG.
+
+Calibration's first pass (mapper.calibrate) fits every target layer from every single source layer and
+keeps the held-out R^2 of each fit: an (Ls, Lt) map, report["r2_single"][kind]. Selection then takes
+the k best rows of each column. heatmap() draws that map with unicode shades (one row per source layer,
+one column per target layer, `*` on the chosen cells); save_png() draws it with matplotlib when that
+is installed (it is never required).
+
+    python -m kvt.figures r2                                   # the toy pair toy-s -> toy-l, in weights/
+    python -m kvt.figures r2 --pair qwen3-0.6b:1.7b --calib ../shared/data/calib/wikitext-2 --png r2.png
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+SHADES = " ░▒▓█"  # R^2 < 0.2, < 0.4, < 0.6, < 0.8, >= 0.8 (below 0: blank)
+
+
+def shade(r2):
+    """The shade of one R^2 value on a fixed [0, 1] scale, so maps of different pairs compare."""
+    return SHADES[min(len(SHADES) - 1, max(0, int(r2 * len(SHADES))))]
+
+
+def heatmap(r2, src_layers=None, selected=None, values=False, title=None):
+    """A text heatmap of r2 (Ls, Lt): rows are source layers (src_layers, default 0..Ls-1), columns
+    target layers; selected (Lt, k) source layer numbers per target layer are marked `*`.
+    values=True writes each R^2 as a number instead of a shade (readable for small maps)."""
+    r2 = torch.as_tensor(r2, dtype=torch.float64)
+    Ls, Lt = r2.shape
+    src_layers = list(range(Ls)) if src_layers is None else list(src_layers)
+    chosen = set()
+    if selected is not None:
+        chosen = {(src, t) for t, row in enumerate(torch.as_tensor(selected).tolist()) for src in row}
+    width = 6 if values else (3 if Lt <= 32 else 2)        # cell: " 0.93*" | 3 or 2 shades, the last one `*` if chosen
+    w = max(len(str(max(src_layers))), 3)                  # the source-layer column
+
+    def cell(v, mark):
+        if values:
+            return f"{v:5.2f}{mark}"
+        return shade(v) * (width - 1) + (mark if mark != " " else shade(v))
+
+    step = 1 if width > len(str(Lt - 1)) else 5               # column labels every `step` target layers
+    header = "".join(f"{t:<{width * step}d}" for t in range(0, Lt, step))
+    lines = [title] if title else []
+    lines.append(f"{'src':>{w}}  {header.rstrip()}   <- target layer")
+    for i, src in enumerate(src_layers):
+        row = "".join(cell(r2[i, t].item(), "*" if (src, t) in chosen else " ") for t in range(Lt))
+        lines.append(f"{src:>{w}}  {row.rstrip()}")
+    if not values:
+        lines.append("shades: ' ' below 0.2  " + "  ".join(f"'{s}' {i / len(SHADES):.1f}+" for i, s in enumerate(SHADES) if i)
+                     + ("   * selected" if selected is not None else ""))
+    return "\n".join(lines)
+
+
+def save_png(r2, path, src_layers=None, selected=None, title=""):
+    """The map as a PNG (matplotlib). Returns False, writing nothing, when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    r2 = torch.as_tensor(r2, dtype=torch.float64)
+    Ls, Lt = r2.shape
+    src_layers = list(range(Ls)) if src_layers is None else list(src_layers)
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.5 + 0.22 * Lt), max(3.0, 1.2 + 0.22 * Ls)))
+    im = ax.imshow(r2.clamp(0, 1).numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1)  # row 0 on top, as heatmap()
+    if selected is not None:
+        row = {src: i for i, src in enumerate(src_layers)}
+        ts, ss = zip(*[(t, row[s]) for t, sel in enumerate(torch.as_tensor(selected).tolist()) for s in sel])
+        ax.scatter(ts, ss, marker="o", facecolors="none", edgecolors="red", s=30)
+        title = (title + " (circles: selected)").strip()
+    ax.set_xlabel("target layer")
+    ax.set_ylabel("source layer")
+    ax.set_yticks(range(Ls), [str(s) for s in src_layers], fontsize=7 if Ls <= 40 else 5)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="held-out R^2")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Draw the source x target layer R^2 map of a pair and the layers "
+                                 "calibration selects (terminal shades; --png with matplotlib).")
+    ap.add_argument("figure", choices=["r2"])
+    ap.add_argument("--pair", default="toy-s:l", help="FAMILY-SRC:TGT, read from WEIGHTS/<name>")
+    ap.add_argument("--weights", type=Path, default=Path(__file__).resolve().parent.parent / "weights")
+    ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: the toy corpus for toy "
+                    "pairs; required otherwise, e.g. ../shared/data/calib/wikitext-2)")
+    ap.add_argument("--calib-seqs", type=int, default=40)
+    ap.add_argument("--calib-len", type=int, default=256)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--lam", type=float, default=0.01)
+    ap.add_argument("--kind", choices=["k", "v"], nargs="+", default=["k", "v"])
+    ap.add_argument("--values", action="store_true", help="print R^2 numbers instead of shades")
+    ap.add_argument("--png", help="also write the map(s) to this PNG (one file per kind: NAME-k.png, NAME-v.png)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+
+    import kvt
+    from kvt import toy
+    from kvt.config import KvtError, parse_pair
+    from kvt.data import calibration_sequences, check_same_tokenizer
+    from kvt.mapper import calibrate
+
+    try:
+        src_name, tgt_name = parse_pair(args.pair)
+        src_dir, tgt_dir = args.weights / src_name, args.weights / tgt_name
+        src_cfg = kvt.load_config(src_dir)  # a missing folder fails here with the download command
+        kvt.load_config(tgt_dir)
+        tok = kvt.load_tokenizer(tgt_dir)
+        check_same_tokenizer(kvt.load_tokenizer(src_dir), tok)
+        if args.calib:
+            ids = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len)
+        elif src_name.startswith("toy-"):  # toy-corpus documents the family was not trained on (seed 0)
+            stream = tok.encode("\n".join(toy.corpus(2 * args.calib_seqs * args.calib_len // 100 + 10, seed=1)))
+            if len(stream) < args.calib_seqs * args.calib_len:
+                raise KvtError("the toy corpus came out too short; lower --calib-seqs or --calib-len")
+            ids = torch.tensor(stream[:args.calib_seqs * args.calib_len]).view(args.calib_seqs, args.calib_len)
+        else:
+            raise KvtError(f"{src_name} is not a toy model: pass calibration text with --calib, "
+                           "e.g. ../shared/data/calib/wikitext-2")
+        source = kvt.load_model(src_dir, device=args.device)
+        target = kvt.load_model(tgt_dir, device=args.device)
+        matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (target.config.n_kv_heads, target.config.head_dim)
+        mapper, report = calibrate(source, target, ids, "head" if matched else "layer", k=args.k, lam=args.lam,
+                                   progress=False)
+    except KvtError as e:
+        sys.exit(f"kvt: {e}")
+    src_layers = list(range(src_cfg.n_layers))
+    print(f"{src_name} -> {tgt_name}: held-out R^2 of each target layer fitted from one source layer "
+          f"({args.calib_seqs} x {args.calib_len} calibration tokens, lambda {args.lam}); "
+          f"* = the k={mapper.meta['k']} layers selection keeps")
+    for kind in args.kind:
+        r2, sel = report["r2_single"][kind], mapper.layers[kind]
+        print()
+        title = f"{'keys' if kind == 'k' else 'values'} ({kind.upper()})"
+        print(heatmap(r2, src_layers, sel, values=args.values, title=title))
+        final = " ".join(f"{v:.2f}" for v in report["r2"][kind].tolist())
+        print(f"R^2 per target layer from its k selected layers together: {final}")
+        if args.png:
+            path = Path(args.png)
+            path = path.with_name(f"{path.stem}-{kind}{path.suffix or '.png'}")
+            if not save_png(r2, path, src_layers, sel, f"{src_name} -> {tgt_name}, {kind.upper()}"):
+                print("\nmatplotlib is not installed, so no PNG (pip install matplotlib); the map above shows the same")
+                args.png = None
+            else:
+                print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

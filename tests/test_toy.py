@@ -1,0 +1,89 @@
+"""The toy family (kvt/toy.py): its corpus and tasks are deterministic, its committed checkpoints load
+in kvt and in transformers with the same logits, and the trained members use the context to recall."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvt
+from kvt import toy
+
+WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
+MEMBERS = list(toy.FAMILY)
+pytestmark = pytest.mark.needs_toy  # the committed checkpoints (issue 5)
+
+
+def test_corpus_and_tasks_are_seeded():
+    assert toy.corpus(20, seed=0) == toy.corpus(20, seed=0)
+    assert toy.corpus(20, seed=0) != toy.corpus(20, seed=1)
+    for name in toy.TASKS:
+        items = toy.toy_tasks(name, 30)
+        assert items == toy.toy_tasks(name, 30) and items != toy.toy_tasks(name, 30, seed=1)
+    for it in toy.toy_tasks("recall", 50):
+        name, right = it["context"].split()[-1], it["choices"][it["label"]]
+        assert f" {name}{right} " in it["context"]                       # the answer is stated in the context
+        assert len(set(it["choices"])) == 4 and all(c.startswith(" ") for c in it["choices"])
+    for it in toy.toy_tasks("recall_gen", 20):
+        assert f" {it['prompt'].split()[-1]} {it['answer']} " in it["prompt"]
+
+
+def test_labels_are_balanced():
+    """Chance is 1/4: no position of the right answer is favored."""
+    labels = [it["label"] for it in toy.toy_tasks("recall", 400)]
+    assert all(70 < labels.count(i) < 130 for i in range(4)), labels
+
+
+def test_committed_tokenizer_is_the_trained_one():
+    tok = kvt.load_tokenizer(WEIGHTS / MEMBERS[0])
+    retrained = toy.train_tokenizer(toy.corpus(toy.N_DOCS, seed=0))
+    assert tok.tok.to_str() == retrained.to_str()
+    for m in MEMBERS[1:]:
+        assert kvt.load_tokenizer(WEIGHTS / m).fingerprint() == tok.fingerprint()
+    words = toy.NAMES + toy.VALUES + toy.PLACES
+    assert all(len(tok.encode(" " + w)) == 1 for w in words)             # one token per word
+    text = toy.corpus(1, seed=5)[0]
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_id == tok.tok.token_to_id(toy.EOS) and tok.bos_id is None
+
+
+def test_family_is_matched_kv():
+    cfgs = [kvt.load_config(WEIGHTS / m) for m in MEMBERS]
+    assert len({(c.n_kv_heads, c.head_dim, c.vocab_size) for c in cfgs}) == 1
+    assert len({(c.n_layers, c.dim) for c in cfgs}) == len(cfgs)             # they differ in depth and width
+    size = sum(f.stat().st_size for m in MEMBERS for f in (WEIGHTS / m).iterdir())
+    assert size < 10e6, f"toy checkpoints take {size / 1e6:.1f} MB"
+
+
+@pytest.mark.parametrize("name", MEMBERS)
+def test_matches_transformers(name):
+    tf = pytest.importorskip("transformers")
+    ours = kvt.load_model(WEIGHTS / name)
+    theirs = tf.AutoModelForCausalLM.from_pretrained(WEIGHTS / name, dtype=torch.float32).eval()
+    tok = kvt.load_tokenizer(WEIGHTS / name)
+    ids = torch.tensor([tok.encode(toy.toy_tasks("recall", 1)[0]["context"])])  # (1, T)
+    with torch.no_grad():
+        a, _ = ours(ids)
+        b = theirs(ids).logits
+    err = (a - b).abs().max().item()
+    assert err <= 1e-4, f"{name}: max abs logit error {err:.2e} vs transformers"
+
+
+@pytest.mark.parametrize("name", MEMBERS)
+def test_recall_needs_the_context(name):
+    """Far above chance (1/4) with the facts in context; near chance with only the question."""
+    model, encode = kvt.load_model(WEIGHTS / name), kvt.load_tokenizer(WEIGHTS / name).encode
+    items = toy.toy_tasks("recall", 100)
+    acc, floor = toy.choice_accuracy(model, encode, items), toy.choice_accuracy(model, encode, items, context=False)
+    assert acc >= 0.8, f"{name}: recall accuracy {acc:.2f} with context"
+    assert floor <= 0.4, f"{name}: recall accuracy {floor:.2f} without context (chance 0.25)"
+
+
+def test_training_is_deterministic():
+    """Two short runs from the same seed give the same weights (what `python -m kvt.toy train` relies on)."""
+    texts = toy.corpus(200, seed=0)
+    tok = toy.train_tokenizer(texts)
+    ids, starts = toy.token_stream(tok, texts)
+    cfg = toy.config("toy-s", 640, tok.token_to_id(toy.EOS))
+    runs = [toy.train(cfg, ids, starts, lambda s: tok.encode(s).ids, max_steps=3)[0] for _ in range(2)]
+    for (n, p), (_, q) in zip(runs[0].named_parameters(), runs[1].named_parameters()):
+        assert torch.equal(p, q), n

@@ -1,0 +1,34 @@
+"""The default pair (toy-s -> toy-l), as `python run.py` runs it: the trained target is far above chance
+on recall, needs the context for it, and the transfer keeps at least 90% of its recall accuracy."""
+import pytest
+import torch
+
+import kvt
+from kvt import evals, toy
+from kvt.data import calibration_sequences
+from kvt.handoff import handoff
+from kvt.mapper import calibrate
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.needs_toy
+
+
+def test_transfer_keeps_recall():
+    torch.manual_seed(0)
+    source, target = (kvt.load_model(ROOT / "weights" / n) for n in ("toy-s", "toy-l"))
+    tok = kvt.load_tokenizer(ROOT / "weights" / "toy-l")
+    ids = calibration_sequences(None, tok, 100, 256, documents=toy.corpus(1000, seed=99))
+    mapper, _ = calibrate(source, target, ids, progress=False)
+
+    def transfer(x):
+        logits, cache = handoff(source, target, mapper, x)
+        return logits[:, -1], cache
+
+    conds = evals.conditions(target, source, transfer)
+    items = evals.load_task("toy_recall", None, 100)
+    summary = evals.summarize(list(evals.evaluate("toy_recall", items, tok, conds, progress=False)))["toy_recall"]
+    own, moved, floor = (summary[c]["acc"] for c in ("target", "transfer", "floor"))
+    print(f"\ntoy recall, 100 items: target {own:.2f}, transfer {moved:.2f}, floor {floor:.2f}")
+    assert own >= 0.8, f"the target is not far above chance (0.25): {own:.2f}"
+    assert floor <= 0.45, f"the target answers without the context: {floor:.2f}"
+    assert moved >= 0.9 * own, f"transfer keeps {moved / own:.0%} of the target's recall accuracy, under 90%"
