@@ -6,7 +6,9 @@ the context once and the choices from its cache. Per-item choices (acc and acc_n
 the first KVT_HF_ITEMS (default 500) HellaSwag and ARC-Easy items.
 
 Build the checkpoint once: python ../shared/tools/smollm2.py weights/smollm2-135m
-Run: pytest -m slow -s tests/test_evals_hf.py   (about 1 s per item and implementation on 2 free cores)
+Run: pytest -m slow -s tests/test_evals_hf.py   (about 20 minutes on 2 free cores; 100 on a busy machine)
+Measured (transformers 5.24, torch 2.13 CPU, float32), all 1,000 per-item choices equal, max |loglik
+difference| 7e-5: HellaSwag acc 0.376 acc_norm 0.438; ARC-Easy acc 0.502 acc_norm 0.466 (n=500 each).
 """
 import os
 
