@@ -49,7 +49,8 @@ def heatmap(r2, src_layers=None, selected=None, values=False, title=None):
         row = "".join(cell(r2[i, t].item(), "*" if (src, t) in chosen else " ") for t in range(Lt))
         lines.append(f"{src:>{w}}  {row.rstrip()}")
     if not values:
-        lines.append("shades: ' ' below 0.2  " + "  ".join(f"'{s}' {i / len(SHADES):.1f}+" for i, s in enumerate(SHADES) if i)
+        levels = "  ".join(f"'{s}' {i / len(SHADES):.1f}+" for i, s in enumerate(SHADES) if i)
+        lines.append(f"shades: ' ' below 0.2  {levels}"
                      + ("   * selected" if selected is not None else ""))
     return "\n".join(lines)
 
@@ -116,11 +117,8 @@ def main(argv=None):
         check_same_tokenizer(kvt.load_tokenizer(src_dir), tok)
         if args.calib:
             ids = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len)
-        elif src_name.startswith("toy-"):  # toy-corpus documents the family was not trained on (seed 0)
-            stream = tok.encode("\n".join(toy.corpus(2 * args.calib_seqs * args.calib_len // 100 + 10, seed=1)))
-            if len(stream) < args.calib_seqs * args.calib_len:
-                raise KvtError("the toy corpus came out too short; lower --calib-seqs or --calib-len")
-            ids = torch.tensor(stream[:args.calib_seqs * args.calib_len]).view(args.calib_seqs, args.calib_len)
+        elif src_name.startswith("toy-"):  # toy documents the family was not trained on (seed 0), as run.py
+            ids = calibration_sequences(None, tok, args.calib_seqs, args.calib_len, documents=toy.corpus(2000, seed=99))
         else:
             raise KvtError(f"{src_name} is not a toy model: pass calibration text with --calib, "
                            "e.g. ../shared/data/calib/wikitext-2")

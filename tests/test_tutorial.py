@@ -21,7 +21,7 @@ FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 ATOL, RTOL = 0.02, 0.03  # last-digit noise across thread counts and CPUs; real drift is far larger
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.needs_toy]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def blocks(text):
@@ -64,6 +64,7 @@ def toy_family():
         pytest.skip(f"no weights/{missing[0]}: build the toy family with `python -m kvt.toy train --out weights`")
 
 
+@pytest.mark.needs_toy
 def test_tutorial_runs_and_prints_what_it_says(monkeypatch, toy_family):
     monkeypatch.chdir(ROOT)  # the tutorial reads weights/ relative to the repository root
     namespace = {"__name__": "tutorial"}
@@ -82,6 +83,7 @@ def test_tutorial_runs_and_prints_what_it_says(monkeypatch, toy_family):
                                      f"after it: {problem}\n--- printed:\n{out.getvalue()}")
 
 
+@pytest.mark.needs_toy
 def test_figures_command_draws_the_map(capsys, toy_family):
     from kvt import figures
     figures.main(["r2", "--pair", "toy-s:m", "--calib-seqs", "6", "--calib-len", "64", "--k", "1", "--kind", "k"])
