@@ -31,7 +31,7 @@ from kvt import dist, evals, toy
 from kvt.bench import bench, format_rows, random_mapper
 from kvt.config import KvtError, check_matched_kv, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
-from kvt.handoff import diagnose, format_diagnostics, gate, handoff
+from kvt.handoff import diagnose, format_diagnostics, gate
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
 from kvt.plan import capacity, check_plan, format_plan, plan
@@ -109,7 +109,8 @@ def get_mapper(args, source, target, tok, ids, out, name, dtype, reverse=False):
                                candidates=args.candidates, progress=dist.rank() == 0)
     if args.mapper == "mlp":
         mapper = add_mlp(mapper, a, b, ids)
-    mapper.meta["diagnostics"] = diagnose(a, b, mapper, ids[len(ids) - held_out(len(ids)):])
+    unseen = ids[len(ids) - max(1, held_out(len(ids)) // 2):]  # held out from the fit and from MLP early stopping
+    mapper.meta["diagnostics"] = diagnose(a, b, mapper, unseen)
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
         save_mapper(mapper, path)
@@ -221,18 +222,13 @@ def main(argv=None):
     print("gate: fit for use" if fit else "gate: UNFIT: " + "; ".join(reasons))
 
     # 4. evaluation, all conditions on the same items
-    def transfer(ids):
-        logits, cache = handoff(source, target, mapper, ids)
-        return logits[:, -1], cache
-    conds = evals.conditions(target, source, transfer)
+    conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
     records = run_tasks(args, tasks, tok, conds, out / f"records-{name}.jsonl", {})
     summary = evals.summarize(records)
     coqa = {}
     if "coqa" in tasks:  # the other direction: the large model hands the conversation to the small one
         back = get_mapper(args, source, target, tok, ids, out, name, dtype, reverse=True)
-        def transfer_back(ids):
-            logits, cache = handoff(target, source, back, ids)
-            return logits[:, -1], cache
+        transfer_back = evals.transfer(target, source, back)
         rev = run_tasks(args, ["coqa"], tok, {"target": evals.Condition(source), "transfer": evals.Condition(source, transfer_back)},
                         out / f"records-{name}-reverse.jsonl", {})
         coqa = {f"{src_name} -> {tgt_name}": evals.coqa_agreement(records),

@@ -97,7 +97,7 @@ def format_rows(rows):
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {r['target_prefill_s']:.3f} "
-                   f"| {r['transfer_s']:.3f} | {r['speedup']:.1f}x | {r['mapper_mb']:.0f} |")
+                   f"| {r['transfer_s']:.3f} | {r['speedup']:.1f}x | {r['mapper_mb']:.1f} |")
     return "\n".join(out)
 
 

@@ -48,7 +48,7 @@ def _record_text(r, f):
     raise KvtError(f"{f}: records need a 'text' field (or CodeAlpaca's instruction/input/output)")
 
 
-def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, documents=None):
+def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documents=None):
     """LongTensor (n, length) of token ids; the same arguments always give the same tensor.
     documents: a list of texts to draw from instead of files (e.g. the toy corpus)."""
     text = "\n\n".join(documents if documents is not None else read_documents(paths_or_dir))

@@ -103,7 +103,10 @@ def fit_layers(stats, kind, selected, lam=0.01):
 
 
 def sweep(stats, selected, lams=LAMBDAS):
-    """Pick lambda by mean held-out R^2 over K and V and all target layers: (best lam, {lam: mean R^2})."""
+    """Pick lambda by mean held-out R^2 over K and V and all target layers: (best lam, {lam: mean R^2}).
+
+    R^2 is what the statistics alone can score, so it is what a sweep can afford; it is not what decides
+    retention (tutorial section 10). Check the chosen lambda with kvt.handoff.diagnose's attention cosine."""
     score = {}
     for lam in lams:
         try:

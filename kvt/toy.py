@@ -319,6 +319,7 @@ def main(argv=None):
     p.add_argument("command", choices=["train"])
     p.add_argument("--out", default="weights", help="writes OUT/toy-s, OUT/toy-m, OUT/toy-l")
     p.add_argument("--members", nargs="+", choices=list(FAMILY), default=list(FAMILY))
+    p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="stop here if recall is not solved by then")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # matrices this small run faster on one thread, and one thread is reproducible
     texts = corpus(N_DOCS, seed=0)
@@ -329,7 +330,8 @@ def main(argv=None):
     items, table = toy_tasks("recall", 200), []
     for name in args.members:
         path = Path(args.out) / name
-        model, record = train(config(name, vocab_size, tok.token_to_id(EOS)), ids, starts, lambda s: tok.encode(s).ids)
+        model, record = train(config(name, vocab_size, tok.token_to_id(EOS)), ids, starts, lambda s: tok.encode(s).ids,
+                              max_steps=args.max_steps)
         save(model, tok, path)
         encode = load_tokenizer(path).encode             # scored as every later user will read the folder
         acc, floor = choice_accuracy(model, encode, items), choice_accuracy(model, encode, items, context=False)

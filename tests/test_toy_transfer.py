@@ -6,7 +6,6 @@ import torch
 import kvt
 from kvt import evals, toy
 from kvt.data import calibration_sequences
-from kvt.handoff import handoff
 from kvt.mapper import calibrate
 from tests.conftest import ROOT
 
@@ -19,12 +18,7 @@ def test_transfer_keeps_recall():
     tok = kvt.load_tokenizer(ROOT / "weights" / "toy-l")
     ids = calibration_sequences(None, tok, 100, 256, documents=toy.corpus(1000, seed=99))
     mapper, _ = calibrate(source, target, ids, progress=False)
-
-    def transfer(x):
-        logits, cache = handoff(source, target, mapper, x)
-        return logits[:, -1], cache
-
-    conds = evals.conditions(target, source, transfer)
+    conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
     items = evals.load_task("toy_recall", None, 100)
     summary = evals.summarize(list(evals.evaluate("toy_recall", items, tok, conds, progress=False)))["toy_recall"]
     own, moved, floor = (summary[c]["acc"] for c in ("target", "transfer", "floor"))
