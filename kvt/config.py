@@ -118,6 +118,8 @@ def config_from_dict(hf, context=None):
 def download_hint(path):
     """The command that fetches the checkpoint a folder name suggests (see weights/README.md)."""
     name = Path(path).name
+    if name.startswith("toy-"):  # the toy family is trained, not downloaded (kvt/toy.py)
+        return f"python -m kvt.toy train --out {Path(path).parent} --members {name}"
     repo = SHAPES[name][0] if name in SHAPES else "<hub-repo>"
     return f"hf download {repo} --local-dir {path}"
 

@@ -150,6 +150,8 @@ def test_overlong_context_refused():
 def test_missing_folder_names_download_command(tmp_path):
     with pytest.raises(KvtError, match="hf download Qwen/Qwen3-14B"):
         kvt.load_model(tmp_path / "qwen3-14b")
+    with pytest.raises(KvtError, match="python -m kvt.toy train --out .* --members toy-l"):
+        kvt.load_model(tmp_path / "toy-l")  # the toy family is trained, not downloaded
 
 
 def test_truncated_and_missing_shards(tmp_path):

@@ -9,8 +9,9 @@ import kvt
 from kvt import toy
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
-MEMBERS = list(toy.FAMILY)
-pytestmark = pytest.mark.needs_toy  # the committed checkpoints (issue 5)
+# The members whose checkpoints are committed (issue 5: so far toy-s; toy-m and toy-l have not yet learned
+# recall with the recipe in kvt/toy.py, see the README). Each committed one is checked in full below.
+MEMBERS = [m for m in toy.FAMILY if (WEIGHTS / m / "model.safetensors").exists()]
 
 
 def test_corpus_and_tasks_are_seeded():
@@ -46,11 +47,16 @@ def test_committed_tokenizer_is_the_trained_one():
     assert tok.eos_id == tok.tok.token_to_id(toy.EOS) and tok.bos_id is None
 
 
+def test_toy_s_is_committed():
+    assert "toy-s" in MEMBERS, "weights/toy-s is missing: `python -m kvt.toy train --out weights --members toy-s`"
+
+
+@pytest.mark.needs_toy  # the whole family (issue 5)
 def test_family_is_matched_kv():
-    cfgs = [kvt.load_config(WEIGHTS / m) for m in MEMBERS]
+    cfgs = [kvt.load_config(WEIGHTS / m) for m in toy.FAMILY]
     assert len({(c.n_kv_heads, c.head_dim, c.vocab_size) for c in cfgs}) == 1
     assert len({(c.n_layers, c.dim) for c in cfgs}) == len(cfgs)             # they differ in depth and width
-    size = sum(f.stat().st_size for m in MEMBERS for f in (WEIGHTS / m).iterdir())
+    size = sum(f.stat().st_size for m in toy.FAMILY for f in (WEIGHTS / m).iterdir())
     assert size < 10e6, f"toy checkpoints take {size / 1e6:.1f} MB"
 
 
