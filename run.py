@@ -44,7 +44,7 @@ REAL_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k"
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pair", default="toy-s:l", help="FAMILY-SRC:TGT, read from WEIGHTS/<name> (default: the toy family)")
+    ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name> (default: the toy family)")
     ap.add_argument("--source", type=Path, help="source checkpoint folder (instead of --pair)")
     ap.add_argument("--target", type=Path, help="target checkpoint folder (instead of --pair)")
     ap.add_argument("--weights", type=Path, default=ROOT / "weights")

@@ -6,7 +6,7 @@ the k best rows of each column. heatmap() draws that map with unicode shades (on
 one column per target layer, `*` on the chosen cells); save_png() draws it with matplotlib when that
 is installed (it is never required).
 
-    python -m kvt.figures r2                                   # the toy pair toy-s -> toy-l, in weights/
+    python -m kvt.figures r2                                   # the toy pair toy-s -> toy-m, in weights/
     python -m kvt.figures r2 --pair qwen3-0.6b:1.7b --calib ../shared/data/calib/wikitext-2 --png r2.png
 """
 import argparse
@@ -88,7 +88,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Draw the source x target layer R^2 map of a pair and the layers "
                                  "calibration selects (terminal shades; --png with matplotlib).")
     ap.add_argument("figure", choices=["r2"])
-    ap.add_argument("--pair", default="toy-s:l", help="FAMILY-SRC:TGT, read from WEIGHTS/<name>")
+    ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name>")
     ap.add_argument("--weights", type=Path, default=Path(__file__).resolve().parent.parent / "weights")
     ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: the toy corpus for toy "
                     "pairs; required otherwise, e.g. ../shared/data/calib/wikitext-2)")

@@ -83,8 +83,7 @@ def test_tutorial_runs_and_prints_what_it_says(monkeypatch, toy_family):
                                      f"after it: {problem}\n--- printed:\n{out.getvalue()}")
 
 
-@pytest.mark.needs_toy
-def test_figures_command_draws_the_map(capsys, toy_family):
+def test_figures_command_draws_the_map(capsys):  # on the committed pair toy-s -> toy-m
     from kvt import figures
     figures.main(["r2", "--pair", "toy-s:m", "--calib-seqs", "6", "--calib-len", "64", "--k", "1", "--kind", "k"])
     out = capsys.readouterr().out
