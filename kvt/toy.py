@@ -320,6 +320,7 @@ def main(argv=None):
     p.add_argument("--out", default="weights", help="writes OUT/toy-s, OUT/toy-m, OUT/toy-l")
     p.add_argument("--members", nargs="+", choices=list(FAMILY), default=list(FAMILY))
     p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="stop here if recall is not solved by then")
+    p.add_argument("--seed", type=int, default=0, help="initialization and batch order (the corpus is always seed 0)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # matrices this small run faster on one thread, and one thread is reproducible
     texts = corpus(N_DOCS, seed=0)
@@ -331,7 +332,7 @@ def main(argv=None):
     for name in args.members:
         path = Path(args.out) / name
         model, record = train(config(name, vocab_size, tok.token_to_id(EOS)), ids, starts, lambda s: tok.encode(s).ids,
-                              max_steps=args.max_steps)
+                              max_steps=args.max_steps, seed=args.seed)
         save(model, tok, path)
         encode = load_tokenizer(path).encode             # scored as every later user will read the folder
         acc, floor = choice_accuracy(model, encode, items), choice_accuracy(model, encode, items, context=False)
