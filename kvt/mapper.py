@@ -246,7 +246,8 @@ def add_mlp(mapper, source, target, ids, residual=True, hidden=1024, max_bytes=2
     Trains one MLP per target layer and kind (mlp.train; train_kw go there) on a bounded sample of the
     tokens of ids (n, T). Early stopping uses the first half of calibration's held-out sequences (the last
     10%), so the second half stays unseen for diagnostics (kvt.handoff.diagnose; see run.py)."""
-    n_fit, n_held = len(ids) - held_out(len(ids)), held_out(len(ids))
+    n_held = held_out(len(ids))
+    n_fit = len(ids) - n_held
     fit = sample_features(source, target, ids[:n_fit], max_bytes, mapper.scope)
     held = sample_features(source, target, ids[n_fit:n_fit + max(1, n_held // 2)], max_bytes // 10 + 1, mapper.scope)
     out = mapper.to()
