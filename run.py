@@ -35,7 +35,7 @@ from kvt.handoff import diagnose, format_diagnostics, gate
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
 from kvt.plan import capacity, check_plan, format_plan, plan
-from kvt.stats import held_out
+from kvt.stats import diagnostic_start
 
 ROOT = Path(__file__).resolve().parent
 TOY_TASKS = "toy_recall,toy_recall_gen,toy_copy,toy_count"
@@ -109,8 +109,7 @@ def get_mapper(args, source, target, tok, ids, out, name, dtype, reverse=False):
                                candidates=args.candidates, progress=dist.rank() == 0)
     if args.mapper == "mlp":
         mapper = add_mlp(mapper, a, b, ids)
-    unseen = ids[len(ids) - max(1, held_out(len(ids)) // 2):]  # held out from the fit and from MLP early stopping
-    mapper.meta["diagnostics"] = diagnose(a, b, mapper, unseen)
+    mapper.meta["diagnostics"] = diagnose(a, b, mapper, ids[diagnostic_start(len(ids)):])  # unseen by fit and MLP
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
         save_mapper(mapper, path)

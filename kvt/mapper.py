@@ -31,7 +31,8 @@ from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv
-from kvt.stats import KINDS, accumulate, candidate_layers, describe_plan, held_out, memory_plan, new_stats
+from kvt.stats import (KINDS, accumulate, candidate_layers, describe_plan, diagnostic_start, held_out, memory_plan,
+                       new_stats)
 
 
 @dataclass
@@ -246,10 +247,10 @@ def add_mlp(mapper, source, target, ids, residual=True, hidden=1024, max_bytes=2
     Trains one MLP per target layer and kind (mlp.train; train_kw go there) on a bounded sample of the
     tokens of ids (n, T). Early stopping uses the first half of calibration's held-out sequences (the last
     10%), so the second half stays unseen for diagnostics (kvt.handoff.diagnose; see run.py)."""
-    n_held = held_out(len(ids))
-    n_fit = len(ids) - n_held
+    n_fit = len(ids) - held_out(len(ids))
+    stop = max(n_fit + 1, diagnostic_start(len(ids)))           # early stopping: held out, not diagnostics
     fit = sample_features(source, target, ids[:n_fit], max_bytes, mapper.scope)
-    held = sample_features(source, target, ids[n_fit:n_fit + max(1, n_held // 2)], max_bytes // 10 + 1, mapper.scope)
+    held = sample_features(source, target, ids[n_fit:stop], max_bytes // 10 + 1, mapper.scope)
     out = mapper.to()
     out.mlp_mode, out.mlp = "residual" if residual else "replace", {}
     for kind in KINDS:

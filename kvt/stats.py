@@ -170,6 +170,12 @@ def held_out(n, fraction=0.1):
     return 0 if n < 2 else max(1, round(n * fraction))
 
 
+def diagnostic_start(n):
+    """Index of the first of n sequences kept for diagnostics: the second half of the held-out split
+    (the first half is left to MLP early stopping, mapper.add_mlp), at least the last sequence."""
+    return n - max(1, held_out(n) // 2)
+
+
 def data_hash(ids):
     return hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
 
