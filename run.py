@@ -36,6 +36,7 @@ from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
 from kvt.plan import capacity, check_plan, format_plan, plan
 from kvt.stats import diagnostic_start
+from kvt.weights import fingerprint
 
 ROOT = Path(__file__).resolve().parent
 TOY_TASKS = "toy_recall,toy_recall_gen,toy_copy,toy_count"
@@ -89,9 +90,10 @@ def resolve(args):
     return args.weights / src, args.weights / tgt, src, tgt
 
 
-def settings_id(args, src_cfg, tgt_cfg):
-    """A short name for a mapper's settings, so a different request never reuses the wrong file."""
-    key = json.dumps([src_cfg.fingerprint(), tgt_cfg.fingerprint(), args.scope, args.k, args.lam, args.sweep,
+def settings_id(args, src_dir, tgt_dir):
+    """A short name for a mapper's settings and the two checkpoints' weights, so a different request,
+    or the same one on retrained weights, never reuses a mapper or a record made for another."""
+    key = json.dumps([fingerprint(src_dir), fingerprint(tgt_dir), args.scope, args.k, args.lam, args.sweep,
                       args.mapper, sorted(map(str, args.calib)), args.calib_seqs, args.calib_len])
     return f"{args.scope}-k{args.k}-{args.mapper}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
@@ -199,7 +201,7 @@ def main(argv=None):
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
     ids = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, documents=toy_text)
     out.mkdir(parents=True, exist_ok=True)
-    name = settings_id(args, src_cfg, tgt_cfg)
+    name = settings_id(args, src_dir, tgt_dir)
     lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
     memory = plan(src_cfg, tgt_cfg, args.scope, args.k, args.context or max(lengths + [args.calib_len]), dtype,
                   devices, calib_len=args.calib_len, stats_dtype=getattr(torch, args.stats_dtype),

@@ -467,7 +467,7 @@ def wilson(k, n, z=1.96):
     p = k / n
     center = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (center - half, center + half)
+    return (max(0.0, center - half), min(1.0, center + half))  # clipped: rounding can step past 0 or 1
 
 
 def bootstrap(fn, columns, n_boot=1000, seed=0):

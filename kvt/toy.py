@@ -13,9 +13,11 @@ minutes on a laptop. This file makes them from nothing but a seed:
   toy_tasks(name, n, seed)  evaluation records in the shapes the real tasks use (below).
   train_tokenizer(texts)    a byte-level BPE like Qwen3's, trained with `tokenizers`.
   train(...)                one member of FAMILY, trained by kvt's own model code with AdamW.
+  grow(small, cfg)          a wider and/or deeper model that starts out computing what `small` does.
 
 All members share the tokenizer, the KV-head count (Hkv=2) and the head dim (D=32), so any two of
-them form a matched-KV pair; they differ in depth and width.
+them form a matched-KV pair; they differ in depth and width. toy-s is trained from scratch, toy-m is
+grown from toy-s and trained on, toy-l grown from toy-m and trained on: a family with one lineage.
 
 Task records (plain dicts, in the field names the evals use for real data sets):
 
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvt.config import Config
-from kvt.model import build_model
+from kvt.model import build_model, load_model
 from kvt.tokenizer import load_tokenizer
 from kvt.weights import save_model
 
@@ -208,20 +210,22 @@ def train_tokenizer(texts):
 # ---------------------------------------------------------------------------------------------------
 # The family. Shared by all members: Hkv=2 KV heads of D=32, H=4 query heads, the tokenizer, the RoPE.
 
-# toy-m is as deep as toy-s: at 3 layers it had not learned recall within 2,800 steps (toy-l, 4 layers,
-# had not within 2,100; see the README).
-FAMILY = {  # name: (dim C, layers L, ffn_dim)
-    "toy-s": (64, 2, 192),
-    "toy-m": (96, 2, 288),
-    "toy-l": (128, 4, 384),
+# toy-s is trained from scratch; each larger member is grown from the one before it (grow) and trained
+# on, as a family that shares its lineage. Trained from scratch, 3- and 4-layer members had not learned
+# recall within 2,100-2,800 steps, and separately trained members do not map onto each other (README).
+FAMILY = {  # name: (dim C, layers L, ffn_dim, grown from)
+    "toy-s": (64, 2, 192, None),
+    "toy-m": (96, 2, 288, "toy-s"),
+    "toy-l": (128, 4, 384, "toy-m"),
 }
 SEQ, BATCH, LR = 256, 16, 5e-3     # tokens per row, rows per step, learning rate
 CHECK, SOLVED, COOL, MAX_STEPS = 100, 0.95, 0.25, 4000   # see train()
+GROW_STEPS = 1000                  # training steps of a grown member
 N_DOCS = 20_000                    # training documents (about 3M tokens, seed 0)
 
 
 def config(name, vocab_size, eos_id):
-    dim, n_layers, ffn_dim = FAMILY[name]
+    dim, n_layers, ffn_dim, _ = FAMILY[name]
     return Config(family="qwen3", vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2,
                   head_dim=32, ffn_dim=ffn_dim, norm_eps=1e-6, rope={"rope_type": "default", "rope_theta": 10000.0},
                   tie_embeddings=True, max_seq_len=4096, bos_token_id=None, eos_token_id=eos_id)
@@ -235,20 +239,60 @@ def token_stream(tok, texts):
     return ids, starts[starts < len(ids) - SEQ - 1]
 
 
-def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print):
+@torch.no_grad()
+def grow(small, cfg, seed=0):
+    """A member of shape cfg that computes exactly what `small` computes: the start of a grown member.
+
+    Wider (C, ffn_dim): small's weights fill the top-left block of each matrix. Whatever writes into a
+    new residual dim or reads a new ffn unit (embedding columns, o_proj/down_proj rows, down_proj
+    columns) starts at zero, so the new dims hold zeros; what reads them starts random, so training
+    moves them. RMSNorm averages over C, so the copied norm weights are scaled by sqrt(C_small / C).
+    Deeper: small's layers are spread evenly (2 -> 4: at 0 and 2); each new layer starts random with
+    zero o_proj and down_proj, an identity on the residual stream until training changes it."""
+    big = build_model(cfg, seed=seed)
+    C, Fs = small.config.dim, small.config.ffn_dim
+    scale = (C / cfg.dim) ** 0.5
+    at = {i * cfg.n_layers // small.config.n_layers: i for i in range(small.config.n_layers)}  # new -> old
+    big.model.embed_tokens.weight[:, C:] = 0
+    big.model.embed_tokens.weight[:, :C] = small.model.embed_tokens.weight
+    big.model.norm.weight.fill_(scale)[:C] = small.model.norm.weight * scale
+    for j, block in enumerate(big.model.layers):
+        attn, mlp = block.self_attn, block.mlp
+        if j not in at:                                   # a new layer: identity at the start
+            attn.o_proj.weight.zero_()
+            mlp.down_proj.weight.zero_()
+            continue
+        old = small.model.layers[at[j]]
+        for norm, old_norm in [(block.input_layernorm, old.input_layernorm),
+                               (block.post_attention_layernorm, old.post_attention_layernorm)]:
+            norm.weight.fill_(scale)[:C] = old_norm.weight * scale
+        for name in ["q_proj", "k_proj", "v_proj"]:       # (H*D, C): read the residual stream
+            getattr(attn, name).weight[:, :C] = getattr(old.self_attn, name).weight
+        attn.q_norm.weight.copy_(old.self_attn.q_norm.weight)
+        attn.k_norm.weight.copy_(old.self_attn.k_norm.weight)
+        attn.o_proj.weight.zero_()[:C] = old.self_attn.o_proj.weight              # (C, H*D): writes
+        mlp.gate_proj.weight[:Fs, :C] = old.mlp.gate_proj.weight                  # (ffn, C): reads
+        mlp.up_proj.weight[:Fs, :C] = old.mlp.up_proj.weight
+        mlp.down_proj.weight.zero_()[:C, :Fs] = old.mlp.down_proj.weight          # (C, ffn): writes
+    return big
+
+
+def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print, init=None):
     """A kvt Transformer trained with AdamW on rows of SEQ tokens that begin at document starts, as the
     evaluation contexts do. encode: str -> token ids. Returns the model (eval mode) and a record of the run.
 
     Recall arrives suddenly, when the model forms induction heads (a phase change, after 1-2k steps
     here). So the schedule is: warm up, hold the learning rate until held-out recall reaches SOLVED
-    (checked every CHECK steps), then cool down linearly for COOL of the steps taken so far."""
-    model = build_model(cfg, seed=seed).train().requires_grad_(True)
+    (checked every CHECK steps), then cool down linearly for COOL of the steps taken so far.
+    init: a model to train on instead of a random one (a grown member, already solved): its whole
+    run of max_steps is the cooldown."""
+    model = (init if init is not None else build_model(cfg, seed=seed)).train().requires_grad_(True)
     params = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norms: no decay
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(seed)
     dev = toy_tasks("recall", 50, seed=seed + 1)     # held out: the evaluation uses seed 1234
-    t0, solved_at, stop, step = time.time(), None, max_steps, 0
+    t0, solved_at, stop, step = time.time(), None if init is None else 0, max_steps, 0
     while step < stop:
         lr = LR * min(1.0, (step + 1) / 50)                                         # warmup, then hold
         if solved_at is not None:
@@ -264,12 +308,12 @@ def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        if step % CHECK == 0 and solved_at is None:
+        if step % CHECK == 0:
             acc = choice_accuracy(model.eval(), encode, dev)
             model.train()
             log(f"{cfg.n_layers}x{cfg.dim} step {step:4d}  loss {loss.item():.3f}  held-out recall {acc:.2f}  "
                 f"{time.time() - t0:.0f}s")
-            if acc >= SOLVED:
+            if acc >= SOLVED and solved_at is None:
                 solved_at, stop = step, min(max_steps, step + int(COOL * step))
     record = {"steps": step, "solved_at": solved_at, "seconds": round(time.time() - t0), "final_loss": round(loss.item(), 3)}
     return model.eval().requires_grad_(False), record
@@ -322,6 +366,7 @@ def main(argv=None):
     p.add_argument("--out", default="weights", help="writes OUT/toy-s, OUT/toy-m, OUT/toy-l")
     p.add_argument("--members", nargs="+", choices=list(FAMILY), default=list(FAMILY))
     p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="stop here if recall is not solved by then")
+    p.add_argument("--grow-steps", type=int, default=GROW_STEPS, help="training steps of a grown member")
     p.add_argument("--seed", type=int, default=0, help="initialization and batch order (the corpus is always seed 0)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # matrices this small run faster on one thread, and one thread is reproducible
@@ -330,11 +375,17 @@ def main(argv=None):
     ids, starts = token_stream(tok, texts)
     vocab_size = -(-tok.get_vocab_size() // 64) * 64           # rounded up, as real checkpoints pad it
     print(f"corpus: {len(texts)} documents, {len(ids)} tokens; vocabulary {tok.get_vocab_size()} (model {vocab_size})")
-    items, table = toy_tasks("recall", 200), []
-    for name in args.members:
-        path = Path(args.out) / name
-        model, record = train(config(name, vocab_size, tok.token_to_id(EOS)), ids, starts, lambda s: tok.encode(s).ids,
-                              max_steps=args.max_steps, seed=args.seed)
+    items, table, done = toy_tasks("recall", 200), [], {}
+    for name in [m for m in FAMILY if m in args.members]:        # parents before the members grown from them
+        path, parent, cfg = Path(args.out) / name, FAMILY[name][3], config(name, vocab_size, tok.token_to_id(EOS))
+        init, steps = None, args.max_steps
+        if parent is not None:
+            if parent not in done and not (Path(args.out) / parent / "model.safetensors").exists():
+                raise SystemExit(f"{name} is grown from {parent}: add {parent} to --members, or train it first")
+            init, steps = grow(done.get(parent) or load_model(Path(args.out) / parent), cfg, args.seed), args.grow_steps
+        model, record = train(cfg, ids, starts, lambda s: tok.encode(s).ids, max_steps=steps, seed=args.seed, init=init)
+        done[name] = model
+        record["grown_from"] = parent
         save(model, tok, path)
         encode = load_tokenizer(path).encode             # scored as every later user will read the folder
         acc, floor = choice_accuracy(model, encode, items), choice_accuracy(model, encode, items, context=False)

@@ -5,6 +5,7 @@ of rows at a time, cast to the model's dtype on the way: loading never holds a s
 model, nor of its largest tensor (SmolLM2's embedding is a fifth of the model). Names are the
 checkpoint's own (model.py's modules follow them); the only renames live in `LAYOUTS`.
 """
+import hashlib
 import json
 from pathlib import Path
 
@@ -31,6 +32,21 @@ def shard_files(path):
     if not single.exists():
         raise KvtError(f"{path} has no model.safetensors (nor an index); get it with: {download_hint(path)}")
     return {name: single for name in _open(single).keys()}
+
+
+def fingerprint(path, samples=16, chunk=4096):
+    """A short hex id of a checkpoint's weights, hashed from its file sizes and samples+1 evenly spaced
+    blocks of each file (the header included): two trainings of one shape (a retrained toy, a base and
+    its instruct model) get different ids, at the cost of a few dozen small reads at any model size."""
+    h = hashlib.sha256()
+    for f in sorted(set(shard_files(path).values())):
+        size = f.stat().st_size
+        h.update(f"{f.name} {size}".encode())
+        with open(f, "rb") as fh:
+            for i in range(samples + 1):
+                fh.seek(i * max(0, size - chunk) // samples)
+                h.update(fh.read(chunk))
+    return h.hexdigest()[:12]
 
 
 def _open(file):

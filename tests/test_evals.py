@@ -243,6 +243,7 @@ def test_summary_retention_and_intervals():
     assert r["ratio_ci"][0] <= 0.75 <= r["ratio_ci"][1]
     lo, hi = E.wilson(5, 10)
     assert abs(lo - 0.2366) < 1e-3 and abs(hi - 0.7634) < 1e-3
+    assert E.wilson(0, 60)[0] >= 0.0 and E.wilson(60, 60)[1] <= 1.0               # never past the ends
 
 
 def test_squad_f1_and_coqa_agreement():

@@ -1,6 +1,7 @@
 """run.py end to end on small models: the exact pair and the identity pair keep 100% of the target's
 accuracy, and a stopped run resumes to the same results."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -59,6 +60,19 @@ def test_interrupted_run_resumes_to_the_same_results(pair, tmp_path):
     same = json.dumps(resumed["tasks"], sort_keys=True) == json.dumps(whole["tasks"], sort_keys=True)
     assert same, "resumed results differ"  # (compared as JSON: an undefined retention is NaN in both)
     assert len(records.read_text().splitlines()) == len(lines)  # nothing scored twice
+
+
+def test_retrained_weights_get_their_own_mapper(pair, tmp_path):
+    """The same shape with other weights (a retrained or fine-tuned model) is a new pair to run.py: its
+    mapper and records are not the old ones, which would be silently wrong."""
+    target, out = tmp_path / "target", tmp_path / "out"
+    shutil.copytree(pair / "twin", target)
+    argv = ["--source", str(pair / "source"), "--target", str(target), "--out", str(out)] + ARGS
+    run.main(argv)
+    shutil.copy(pair / "source" / "model.safetensors", target / "model.safetensors")  # retrained: same shape
+    again = run.main(argv)
+    assert len(list(out.glob("mapper-*.safetensors"))) == 2 and len(list(out.glob("records-*.jsonl"))) == 2
+    assert again["diagnostics"]["kl"] < 1e-4  # calibrated for the new weights (the identity pair now)
 
 
 def test_mismatched_pair_is_one_line(tmp_path, capsys):

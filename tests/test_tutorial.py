@@ -64,7 +64,6 @@ def toy_family():
         pytest.skip(f"no weights/{missing[0]}: build the toy family with `python -m kvt.toy train --out weights`")
 
 
-@pytest.mark.needs_toy
 def test_tutorial_runs_and_prints_what_it_says(monkeypatch, toy_family):
     monkeypatch.chdir(ROOT)  # the tutorial reads weights/ relative to the repository root
     namespace = {"__name__": "tutorial"}
