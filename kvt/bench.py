@@ -13,6 +13,9 @@ Each is warmed up, synchronized before every clock read, and the median of `repe
 needs no trained weights, so models and mappers may be random, built from named shapes alone:
 
     python -m kvt.bench --pair qwen3-0.6b:1.7b --lengths 512,1024,2048,4096 [--device cuda --dtype bfloat16]
+
+A pair whose two models do not fit in memory together runs with --lean (bench_lean): the models are
+built in turn and only their caches are kept between them.
 """
 import argparse
 import resource
@@ -67,28 +70,73 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def token_ids(lengths, vocab_size, device, seed=0):
+    """{n: (1, n) random token ids}: the contexts every model is timed on."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randint(0, vocab_size, (1, n), generator=g).to(device) for n in lengths}
+
+
 @torch.no_grad()
+def prefills(model, ids, repeats, name=""):
+    """({n: median prefill seconds}, {n: the model's cache of the first n - 1 tokens}) for ids {n: (1, n)}."""
+    device, times, caches = next(model.parameters()).device, {}, {}
+    for n, x in tqdm(ids.items(), desc=f"prefill {name}", unit="length"):
+        times[n] = median_time(lambda: model(x, last=True), device, repeats)
+        caches[n] = model(x[:, :-1], last=True)[1]
+    return times, caches
+
+
+@torch.no_grad()
+def transfers(target, mapper, caches, ids, repeats, name=""):
+    """{n: median seconds of a handoff}: mapper.apply on the source's caches[n], then the target runs the
+    last prompt token itself."""
+    device, times = next(target.parameters()).device, {}
+    for n, x in tqdm(ids.items(), desc=f"transfer -> {name}", unit="length"):
+        times[n] = median_time(lambda: target(x[:, -1:], cache=mapper.apply(caches[n])), device, repeats)
+    return times
+
+
+def rows(names, prefill, transfer, mappers, device):
+    """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}}."""
+    out = []
+    for n in next(iter(prefill.values())):
+        for (src, tgt), t in transfer.items():
+            out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
+                        "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": prefill[tgt][n] / t[n],
+                        "mapper_mb": mappers[src, tgt].nbytes() / 2**20, "peak_gb": peak_memory_gb(device)})
+    return out
+
+
 def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, names=("small", "large")):
     """Rows of timings (seconds) for small -> large with mapper `fwd`, and large -> small with `back`."""
     device = next(small.parameters()).device
-    directions = [(names[0], names[1], small, large, fwd)] + ([(names[1], names[0], large, small, back)] if back else [])
-    rows = []
-    for n in tqdm(lengths, desc="bench", unit="length"):
-        ids = torch.randint(0, min(small.config.vocab_size, large.config.vocab_size), (1, n), device=device)
-        prefill = {m: median_time(lambda: m(ids, last=True), device, repeats) for m in (small, large)}
-        for src_name, tgt_name, src, tgt, mapper in directions:
-            _, src_cache = src(ids[:, :-1], last=True)
+    ids = token_ids(lengths, min(small.config.vocab_size, large.config.vocab_size), device)
+    (p_small, c_small), (p_large, c_large) = prefills(small, ids, repeats, names[0]), prefills(large, ids, repeats, names[1])
+    mappers = {(names[0], names[1]): fwd} | ({(names[1], names[0]): back} if back else {})
+    transfer = {(names[0], names[1]): transfers(large, fwd, c_small, ids, repeats, names[1])}
+    if back:
+        transfer[names[1], names[0]] = transfers(small, back, c_large, ids, repeats, names[0])
+    return rows(names, {names[0]: p_small, names[1]: p_large}, transfer, mappers, device)
 
-            def transfer():
-                cache = mapper.apply(src_cache)
-                return tgt(ids[:, -1:], cache=cache)
 
-            t_transfer = median_time(transfer, device, repeats)
-            rows.append({"direction": f"{src_name} -> {tgt_name}", "tokens": n, "source_prefill_s": prefill[src],
-                         "target_prefill_s": prefill[tgt], "transfer_s": t_transfer,
-                         "speedup": prefill[tgt] / t_transfer, "mapper_mb": mapper.nbytes() / 2**20,
-                         "peak_gb": peak_memory_gb(device)})
-    return rows
+def bench_lean(build, names, fwd, back, lengths, repeats=3, device="cpu"):
+    """bench() for a pair too large to hold together: build(name) makes each model in turn (small, large,
+    then small again) and only the caches are kept, so memory peaks at the larger model plus the caches.
+    The same rows, still timed in one process. The contexts are drawn from the small model's vocabulary
+    (a family shares one)."""
+    small = build(names[0])
+    ids = token_ids(lengths, small.config.vocab_size, device)
+    p_small, c_small = prefills(small, ids, repeats, names[0])
+    del small
+    large = build(names[1])
+    p_large, c_large = prefills(large, ids, repeats, names[1])
+    forward = transfers(large, fwd, c_small, ids, repeats, names[1])
+    del large, c_small
+    small = build(names[0])
+    backward = transfers(small, back, c_large, ids, repeats, names[0])
+    return rows(names, {names[0]: p_small, names[1]: p_large},
+                {(names[0], names[1]): forward, (names[1], names[0]): backward},
+                {(names[0], names[1]): fwd, (names[1], names[0]): back}, device)
 
 
 def format_rows(rows):
@@ -101,7 +149,7 @@ def format_rows(rows):
     return "\n".join(out)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description="Time target prefill vs KV transfer on random weights of named shapes.")
     ap.add_argument("--pair", default="qwen3-0.6b:1.7b")
     ap.add_argument("--lengths", default="512,1024,2048,4096")
@@ -110,16 +158,21 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = ap.parse_args()
+    ap.add_argument("--lean", action="store_true", help="hold one model at a time (a pair too large for memory)")
+    args = ap.parse_args(argv)
     names = parse_pair(args.pair)
-    dtype = getattr(torch, args.dtype)
-    small, large = (build_model(n, dtype=dtype, device=args.device, seed=i) for i, n in enumerate(names))
+    dtype, lengths = getattr(torch, args.dtype), [int(n) for n in args.lengths.split(",")]
+    build = lambda name: build_model(name, dtype=dtype, device=args.device, seed=names.index(name))  # noqa: E731
     fwd = random_mapper(shape(names[0]), shape(names[1]), args.scope, args.k, dtype, args.device)
     back = random_mapper(shape(names[1]), shape(names[0]), args.scope, args.k, dtype, args.device, seed=1)
-    rows = bench(small, large, fwd, back, [int(n) for n in args.lengths.split(",")], args.repeats, names)
+    if args.lean:
+        table = bench_lean(build, names, fwd, back, lengths, args.repeats, args.device)
+    else:
+        table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names)
     print(f"{args.pair}, {args.dtype} on {args.device}, {torch.get_num_threads()} CPU threads, "
-          f"median of {args.repeats} after a warm-up")
-    print(format_rows(rows))
+          f"median of {args.repeats} after a warm-up{', one model at a time' if args.lean else ''}; "
+          f"peak memory {max(r['peak_gb'] for r in table):.1f} GiB")
+    print(format_rows(table))
 
 
 if __name__ == "__main__":
