@@ -71,28 +71,29 @@ def peak_memory_gb(device):
 
 
 def token_ids(lengths, vocab_size, device, seed=0):
-    """{n: (1, n) random token ids}: the contexts every model is timed on."""
+    """(1, max(lengths)) random token ids. The context of length n is its first n tokens, so the cache of
+    the longest context, cropped, is the cache of every shorter one (a causal model's KV at t sees <= t)."""
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randint(0, vocab_size, (1, n), generator=g).to(device) for n in lengths}
+    return torch.randint(0, vocab_size, (1, max(lengths)), generator=g).to(device)
 
 
 @torch.no_grad()
-def prefills(model, ids, repeats, name=""):
-    """({n: median prefill seconds}, {n: the model's cache of the first n - 1 tokens}) for ids {n: (1, n)}."""
-    device, times, caches = next(model.parameters()).device, {}, {}
-    for n, x in tqdm(ids.items(), desc=f"prefill {name}", unit="length"):
-        times[n] = median_time(lambda: model(x, last=True), device, repeats)
-        caches[n] = model(x[:, :-1], last=True)[1]
-    return times, caches
+def prefills(model, ids, lengths, repeats, name=""):
+    """({n: median seconds of the prefill of ids[:, :n]}, the model's cache of all but the last token)."""
+    device, times = next(model.parameters()).device, {}
+    for n in tqdm(lengths, desc=f"prefill {name}", unit="length"):
+        times[n] = median_time(lambda: model(ids[:, :n], last=True), device, repeats)
+    return times, model(ids[:, :-1], last=True)[1]
 
 
 @torch.no_grad()
-def transfers(target, mapper, caches, ids, repeats, name=""):
-    """{n: median seconds of a handoff}: mapper.apply on the source's caches[n], then the target runs the
-    last prompt token itself."""
+def transfers(target, mapper, cache, ids, lengths, repeats, name=""):
+    """{n: median seconds of a handoff of ids[:, :n]}: mapper.apply on the source's cache of the first
+    n - 1 tokens, then the target runs token n itself."""
     device, times = next(target.parameters()).device, {}
-    for n, x in tqdm(ids.items(), desc=f"transfer -> {name}", unit="length"):
-        times[n] = median_time(lambda: target(x[:, -1:], cache=mapper.apply(caches[n])), device, repeats)
+    for n in tqdm(lengths, desc=f"transfer -> {name}", unit="length"):
+        first = cache.crop(0, n - 1)
+        times[n] = median_time(lambda: target(ids[:, n - 1:n], cache=mapper.apply(first)), device, repeats)
     return times
 
 
@@ -111,29 +112,30 @@ def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats
     """Rows of timings (seconds) for small -> large with mapper `fwd`, and large -> small with `back`."""
     device = next(small.parameters()).device
     ids = token_ids(lengths, min(small.config.vocab_size, large.config.vocab_size), device)
-    (p_small, c_small), (p_large, c_large) = prefills(small, ids, repeats, names[0]), prefills(large, ids, repeats, names[1])
+    (p_small, c_small), (p_large, c_large) = (prefills(small, ids, lengths, repeats, names[0]),
+                                              prefills(large, ids, lengths, repeats, names[1]))
     mappers = {(names[0], names[1]): fwd} | ({(names[1], names[0]): back} if back else {})
-    transfer = {(names[0], names[1]): transfers(large, fwd, c_small, ids, repeats, names[1])}
+    transfer = {(names[0], names[1]): transfers(large, fwd, c_small, ids, lengths, repeats, names[1])}
     if back:
-        transfer[names[1], names[0]] = transfers(small, back, c_large, ids, repeats, names[0])
+        transfer[names[1], names[0]] = transfers(small, back, c_large, ids, lengths, repeats, names[0])
     return rows(names, {names[0]: p_small, names[1]: p_large}, transfer, mappers, device)
 
 
 def bench_lean(build, names, fwd, back, lengths, repeats=3, device="cpu"):
     """bench() for a pair too large to hold together: build(name) makes each model in turn (small, large,
-    then small again) and only the caches are kept, so memory peaks at the larger model plus the caches.
-    The same rows, still timed in one process. The contexts are drawn from the small model's vocabulary
-    (a family shares one)."""
+    then small again) and only one cache of each is kept, so memory peaks at the larger model plus the
+    two caches. The same rows, still timed in one process. The contexts are drawn from the small
+    model's vocabulary (a family shares one)."""
     small = build(names[0])
     ids = token_ids(lengths, small.config.vocab_size, device)
-    p_small, c_small = prefills(small, ids, repeats, names[0])
+    p_small, c_small = prefills(small, ids, lengths, repeats, names[0])
     del small
     large = build(names[1])
-    p_large, c_large = prefills(large, ids, repeats, names[1])
-    forward = transfers(large, fwd, c_small, ids, repeats, names[1])
+    p_large, c_large = prefills(large, ids, lengths, repeats, names[1])
+    forward = transfers(large, fwd, c_small, ids, lengths, repeats, names[1])
     del large, c_small
     small = build(names[0])
-    backward = transfers(small, back, c_large, ids, repeats, names[0])
+    backward = transfers(small, back, c_large, ids, lengths, repeats, names[0])
     return rows(names, {names[0]: p_small, names[1]: p_large},
                 {(names[0], names[1]): forward, (names[1], names[0]): backward},
                 {(names[0], names[1]): fwd, (names[1], names[0]): back}, device)
