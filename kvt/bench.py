@@ -97,7 +97,7 @@ def transfers(target, mapper, cache, ids, lengths, repeats, name=""):
     return times
 
 
-def rows(names, prefill, transfer, mappers, device):
+def rows(prefill, transfer, mappers, device):
     """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}}."""
     out = []
     for n in next(iter(prefill.values())):
@@ -110,35 +110,29 @@ def rows(names, prefill, transfer, mappers, device):
 
 def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, names=("small", "large")):
     """Rows of timings (seconds) for small -> large with mapper `fwd`, and large -> small with `back`."""
-    device = next(small.parameters()).device
-    ids = token_ids(lengths, min(small.config.vocab_size, large.config.vocab_size), device)
-    (p_small, c_small), (p_large, c_large) = (prefills(small, ids, lengths, repeats, names[0]),
-                                              prefills(large, ids, lengths, repeats, names[1]))
-    mappers = {(names[0], names[1]): fwd} | ({(names[1], names[0]): back} if back else {})
-    transfer = {(names[0], names[1]): transfers(large, fwd, c_small, ids, lengths, repeats, names[1])}
-    if back:
-        transfer[names[1], names[0]] = transfers(small, back, c_large, ids, lengths, repeats, names[0])
-    return rows(names, {names[0]: p_small, names[1]: p_large}, transfer, mappers, device)
+    models = dict(zip(names, (small, large)))
+    return bench_lean(models.get, names, fwd, back, lengths, repeats)
 
 
-def bench_lean(build, names, fwd, back, lengths, repeats=3, device="cpu"):
+def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3):
     """bench() for a pair too large to hold together: build(name) makes each model in turn (small, large,
-    then small again) and only one cache of each is kept, so memory peaks at the larger model plus the
-    two caches. The same rows, still timed in one process. The contexts are drawn from the small
-    model's vocabulary (a family shares one)."""
+    then small again for `back`) and only one cache of each is kept, so memory peaks at the larger model
+    plus the two caches. The same rows, timed in the same order in one process. The contexts are drawn
+    from the small model's vocabulary (a family shares one)."""
     small = build(names[0])
+    device = next(small.parameters()).device
     ids = token_ids(lengths, small.config.vocab_size, device)
-    p_small, c_small = prefills(small, ids, lengths, repeats, names[0])
+    prefill, transfer, mappers = {}, {}, {(names[0], names[1]): fwd}
+    prefill[names[0]], c_small = prefills(small, ids, lengths, repeats, names[0])
     del small
     large = build(names[1])
-    p_large, c_large = prefills(large, ids, lengths, repeats, names[1])
-    forward = transfers(large, fwd, c_small, ids, lengths, repeats, names[1])
+    prefill[names[1]], c_large = prefills(large, ids, lengths, repeats, names[1])
+    transfer[names[0], names[1]] = transfers(large, fwd, c_small, ids, lengths, repeats, names[1])
     del large, c_small
-    small = build(names[0])
-    backward = transfers(small, back, c_large, ids, lengths, repeats, names[0])
-    return rows(names, {names[0]: p_small, names[1]: p_large},
-                {(names[0], names[1]): forward, (names[1], names[0]): backward},
-                {(names[0], names[1]): fwd, (names[1], names[0]): back}, device)
+    if back is not None:
+        mappers[names[1], names[0]] = back
+        transfer[names[1], names[0]] = transfers(build(names[0]), back, c_large, ids, lengths, repeats, names[0])
+    return rows(prefill, transfer, mappers, device)
 
 
 def format_rows(rows):
@@ -168,7 +162,7 @@ def main(argv=None):
     fwd = random_mapper(shape(names[0]), shape(names[1]), args.scope, args.k, dtype, args.device)
     back = random_mapper(shape(names[1]), shape(names[0]), args.scope, args.k, dtype, args.device, seed=1)
     if args.lean:
-        table = bench_lean(build, names, fwd, back, lengths, args.repeats, args.device)
+        table = bench_lean(build, names, fwd, back, lengths, args.repeats)
     else:
         table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names)
     print(f"{args.pair}, {args.dtype} on {args.device}, {torch.get_num_threads()} CPU threads, "
