@@ -1,17 +1,25 @@
 """kvt end to end: calibrate (or reuse) a mapper for a pair, check it, evaluate, benchmark, report.
 
-    python run.py                                  # the toy family in weights/, offline, minutes on a CPU
+    python run.py                                  # the toy family in weights/, offline, a minute on a CPU
     python run.py --pair qwen3-14b:32b             # weights/qwen3-14b -> weights/qwen3-32b
     python run.py --source DIR --target DIR --tasks arc_easy --limit 200
 
+The default mapper is the paper's configuration for every pair: layer scope (each target head reads all
+heads of the k selected source layers), k = 8, calibration on 500 sequences of 1,024 tokens (toy
+pairs: 200 of 256 from the toy corpus, the length toy models are trained on). Where kvt's defaults go
+beyond the paper they say so: the ridge lambda is picked per target layer and kind on a validation
+region (the paper states none), and features are standardized (ridge.py).
+
 Steps, each a call into one kvt stage:
   1. checks before heavy work: the pair is matched-KV (or --scope layer), both tokenizers are the same,
-     weights and task data are present, the contexts fit the models;
-  2. calibration sequences (data.py) -> statistics, layer selection, ridge (mapper.calibrate), saved to
-     OUT/mapper-<settings>.safetensors and reused when it exists; `--mapper mlp` adds the backstop;
-  3. diagnostics on held-out sequences and the gate (handoff.py);
-  4. every task under target / transfer / source / floor (evals.py), one record per item and condition
-     appended to OUT/records-<mapper>.jsonl as it is computed, so an interrupted run resumes;
+     weights and task data are present, the contexts fit the models, the memory plan fits;
+  2. calibration sequences in three disjoint regions (data.py) -> statistics, layer selection, ridge
+     (mapper.calibrate), saved to OUT/mapper-<settings>.safetensors and reused when it exists;
+     `--mapper mlp` swaps ridge for the paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
+  3. diagnostics on the diagnostics region and the gate (handoff.py);
+  4. every task under target / transfer / source / floor (evals.py) on one seeded sample of items,
+     one record per item and condition appended to OUT/records-<settings>.jsonl as it is computed, so
+     an interrupted run resumes;
   5. prefill vs transfer timings (bench.py);
   6. OUT/results.json and OUT/report.md, and the tables on stdout.
 A problem the user can fix is one line on stderr and exit code 2.
@@ -32,15 +40,18 @@ from kvt.bench import bench, format_rows, random_mapper
 from kvt.config import KvtError, check_matched_kv, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import diagnose, format_diagnostics, gate
+from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
-from kvt.plan import capacity, check_plan, format_plan, plan
-from kvt.stats import diagnostic_start
+from kvt.plan import capacity, check_plan, format_plan, plan, split_to_fit
 from kvt.weights import fingerprint
 
 ROOT = Path(__file__).resolve().parent
 TOY_TASKS = "toy_recall,toy_recall_gen,toy_copy,toy_count"
 REAL_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k"
+REAL_CALIB = ("calib/wikitext-2", "calib/gutenberg")    # under the data folder: about 3.7M tokens of prose
+RECORDS_FORMAT = "kvt-records-2"                         # 2: keyed by item id, seeded item samples
+MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
 
 
 def parse_args(argv=None):
@@ -50,17 +61,23 @@ def parse_args(argv=None):
     ap.add_argument("--target", type=Path, help="target checkpoint folder (instead of --pair)")
     ap.add_argument("--weights", type=Path, default=ROOT / "weights")
     ap.add_argument("--data-dir", type=Path, default=Path(evals.default_data_dir()), help="task data ($KVT_DATA)")
-    ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: DATA/calib/wikitext-2; "
-                    "the toy corpus for toy pairs)")
-    ap.add_argument("--calib-seqs", type=int, help="calibration sequences (paper: 500; toy default 200)")
+    ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: DATA/calib/wikitext-2 "
+                    "and DATA/calib/gutenberg; the toy corpus for toy pairs)")
+    ap.add_argument("--calib-seqs", type=int, help="fit sequences (paper: 500; toy default 200), plus a tenth for "
+                    "validation and a twentieth for diagnostics, from other documents")
     ap.add_argument("--calib-len", type=int, help="tokens per sequence (paper: 1024; toy default 256)")
     ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
-    ap.add_argument("--lam", type=float, default=0.01, help="ridge lambda, relative (see ridge.py; paper: 0.01)")
-    ap.add_argument("--sweep", action="store_true", help="pick lambda on held-out data from a sweep")
-    ap.add_argument("--scope", choices=["head", "layer"], default="head")
-    ap.add_argument("--mapper", choices=["ridge", "mlp"], default="ridge", help="mlp: ridge + MLP backstop")
+    ap.add_argument("--lam", type=float, help="ridge lambda on standardized features (default: the best of "
+                    "ridge.LAMBDAS per target layer and kind, on the validation region; the paper gives none)")
+    ap.add_argument("--scope", choices=["layer", "head"], default="layer",
+                    help="layer: each target head from all heads of the selected layers (the paper's, default); "
+                    "head: head h from head h (kvt's option, about 8x smaller)")
+    ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"], default="ridge",
+                    help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
+                    "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
     ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS})")
-    ap.add_argument("--limit", type=int, help="items per task (default: toy 200, real 500)")
+    ap.add_argument("--limit", type=int, help="items per task, a seeded sample (default: toy 200, real 500)")
+    ap.add_argument("--seed", type=int, default=0, help="the item sample and the calibration draw")
     ap.add_argument("--bench", dest="bench", action="store_true", default=True)
     ap.add_argument("--no-bench", dest="bench", action="store_false")
     ap.add_argument("--bench-lengths", help="context lengths to time (default: toy 256,512,1024; CPU 512..4096; "
@@ -90,80 +107,139 @@ def resolve(args):
     return args.weights / src, args.weights / tgt, src, tgt
 
 
-def settings_id(args, src_dir, tgt_dir):
-    """A short name for a mapper's settings and the two checkpoints' weights, so a different request,
-    or the same one on retrained weights, never reuses a mapper or a record made for another."""
-    key = json.dumps([fingerprint(src_dir), fingerprint(tgt_dir), args.scope, args.k, args.lam, args.sweep,
-                      args.mapper, sorted(map(str, args.calib)), args.calib_seqs, args.calib_len])
-    return f"{args.scope}-k{args.k}-{args.mapper}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+def short_hash(obj):
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-def get_mapper(args, source, target, tok, ids, out, name, dtype, reverse=False):
-    """Load the mapper for these settings from OUT, or calibrate and save it (statistics checkpointed)."""
-    a, b = (target, source) if reverse else (source, target)
-    path = out / f"mapper-{name}{'-reverse' if reverse else ''}.safetensors"
+def mapper_key(args, src_dir, tgt_dir, calib):
+    """Everything a mapper is made from: both checkpoints' weights, the settings, the calibration tokens.
+    A different request, or the same one on retrained weights, never reuses a mapper or statistics."""
+    return {"format": MAPPER_FORMAT, "source": fingerprint(src_dir), "target": fingerprint(tgt_dir),
+            "scope": args.scope, "k": args.k, "lambda": args.lam, "mapper": args.mapper, "calib": calib.hash(),
+            "stats_dtype": args.stats_dtype, "candidates": args.candidates}
+
+
+def get_mapper(args, source, target, tok, calib, out, key, dtype, group=None):
+    """Load the mapper made from `key` in OUT, or calibrate and save it (statistics checkpointed)."""
+    name = f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
+    path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
-        return load_mapper(path, a.config, b.config, tok.fingerprint()).to(dtype=dtype)
-    mapper, report = calibrate(a, b, ids, args.scope, args.k, args.lam, lams=[1e-4, 1e-3, 1e-2, 1e-1, 1.0] if args.sweep else None,
-                               checkpoint=out / f"stats-{name}{'-reverse' if reverse else ''}",
-                               tokenizer=tok.fingerprint(), stats_dtype=getattr(torch, args.stats_dtype),
-                               candidates=args.candidates, progress=dist.rank() == 0)
-    if args.mapper == "mlp":
-        mapper = add_mlp(mapper, a, b, ids)
-    mapper.meta["diagnostics"] = diagnose(a, b, mapper, ids[diagnostic_start(len(ids)):])  # unseen by fit and MLP
+        return load_mapper(path, source.config, target.config, tok.fingerprint()).to(dtype=dtype), name
+    mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=out / f"stats-{name}",
+                               key=short_hash(key), tokenizer=tok.fingerprint(), group=group,
+                               stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
+                               progress=dist.rank() == 0)
+    if args.mapper in MLP_MODES:
+        mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0)
+    mapper.meta["diagnostics"] = diagnose(source, target, mapper, calib.diag)  # a region no choice has seen
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
         save_mapper(mapper, path)
-    return mapper.to(dtype=dtype)
+    return mapper.to(dtype=dtype), name
 
 
-def read_records(path):
-    if not path.exists():
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+# ---- records ---------------------------------------------------------------------------------------------
+
+def record_files(path):
+    """The records of one run: `path` and, under torchrun, one file per rank beside it."""
+    return [f for f in [path, *sorted(path.parent.glob(f"{path.stem}.rank*.jsonl"))] if f.exists()]
 
 
-def run_tasks(args, tasks, tok, conds, path, options):
-    """Evaluate every task under conds, appending each record to a jsonl as it lands, so a stopped run
-    resumes. Under torchrun each rank takes a share of the items still to do and writes its own file."""
-    files = sorted(path.parent.glob(path.stem + "*.jsonl"))
-    done = {(r["task"], r["condition"], r["idx"]) for f in files for r in read_records(f)}
-    mine = path if dist.world() == 1 else path.with_name(f"{path.stem}-rank{dist.rank()}.jsonl")
-    with open(mine, "a") as f:
-        for task in tasks:
-            items = evals.load_task(task, args.data_dir, args.limit)
-            todo = [i for i in range(len(items)) if any((task, c, i) not in done for c in conds)]
-            skip = {(c, i) for i in set(range(len(items))) - set(dist.shard(todo)) for c in conds}
-            skip |= {(c, i) for t, c, i in done if t == task}
-            for rec in evals.evaluate(task, items, tok, conds, done=skip, progress=dist.rank() == 0,
-                                      **options.get(task, {})):
+def read_records(path, header):
+    """The records of a jsonl file written by open_records, after checking its header line; a torn last
+    line (a crash in mid-write) is cut off, so the run redoes that record."""
+    with open(path, "rb") as f:
+        *lines, torn = f.read().split(b"\n")                      # torn: bytes after the last newline
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise KvtError(f"{path}: line {i + 1} is corrupt; delete the file to evaluate again, or use another --out")
+    if torn:
+        with open(path, "r+b") as f:
+            f.truncate(sum(len(line) + 1 for line in lines))
+    if rows and rows[0] != header:
+        raise KvtError(f"{path} holds records of other settings or an older kvt ({json.dumps(rows[0])[:120]}); "
+                       "delete it or use another --out")
+    return rows[1:]
+
+
+def open_records(path, header):
+    """Append mode, with the header as the first line of a new file."""
+    new = not path.exists() or path.stat().st_size == 0
+    f = open(path, "a")
+    if new:
+        f.write(json.dumps(header) + "\n")
+        f.flush()
+    return f
+
+
+def run_tasks(args, items, tok, conds, path, header):
+    """Evaluate every task's items under conds, appending each record to a jsonl as it lands, so a
+    stopped run resumes. Records are keyed by item id. Under torchrun each rank takes a share of the items
+    still to do and writes its own file. Returns the records of exactly these items."""
+    done = {(r["task"], r["condition"], r["id"]) for f in record_files(path) for r in read_records(f, header)}
+    mine = path if dist.world() == 1 else path.with_name(f"{path.stem}.rank{dist.rank()}.jsonl")
+    with open_records(mine, header) as f:
+        for task, its in items.items():
+            todo = [it.id for it in its if any((task, c, it.id) not in done for c in conds)]
+            mine_ids = set(dist.shard(todo))
+            skip = {(c, it.id) for it in its for c in conds if it.id not in mine_ids or (task, c, it.id) in done}
+            for rec in evals.evaluate(task, its, tok, conds, done=skip, progress=dist.rank() == 0):
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
     dist.barrier()
-    return [r for f in sorted(path.parent.glob(path.stem + "*.jsonl")) for r in read_records(f)]
+    wanted = {(task, it.id) for task, its in items.items() for it in its}
+    return [r for f in record_files(path) for r in read_records(f, header) if (r["task"], r["id"]) in wanted]
 
 
-def format_summary(summary, src_name, tgt_name):
-    """The paper's table: accuracy per condition, retention and floor-normalized retention."""
+# ---- report ----------------------------------------------------------------------------------------------
+
+def pct(x, digits=1):
+    return "-" if x is None else f"{100 * x:.{digits}f}"
+
+
+def format_summary(summary, average, src_name, tgt_name):
+    """The paper's table: accuracy per condition, retention and floor-normalized retention, and the
+    average retention over tasks of each task's primary metric (the paper's headline column)."""
     lines = [f"| task | metric | target ({tgt_name}) | transfer | source ({src_name}) | floor | retention | floor-norm. retention | n |",
              "|---|---|---|---|---|---|---|---|---|"]
+
     def cell(row, m):
-        if row is None:
+        if row is None or row.get(m) is None:
             return "-"
         lo, hi = row[m + "_ci"]
-        return f"{100 * row[m]:.1f} [{100 * lo:.0f}, {100 * hi:.0f}]"
+        return f"{pct(row[m])} [{pct(lo, 0)}, {pct(hi, 0)}]"
+
+    def ret(r, name):
+        if not r or r.get(name) is None:
+            return "-"
+        lo, hi = r.get(name + "_ci") or (None, None)
+        return f"{pct(r[name])}% [{pct(lo, 0)}, {pct(hi, 0)}]" if lo is not None else f"{pct(r[name])}%"
+
     for task, conds in summary.items():
-        ret = conds.get("retention", {})
         for m in evals.METRICS[evals.TASKS[task][1]]:
-            r = ret.get(m, {})
-            ratio = f"{100 * r['ratio']:.1f}%" if r else "-"
-            fn = f"{100 * r['floor_normalized']:.1f}%" if r.get("floor_normalized") is not None else "-"
+            r = conds.get("retention", {}).get(m, {})
             lines.append(f"| {task} | {m} | {cell(conds.get('target'), m)} | {cell(conds.get('transfer'), m)} | "
-                         f"{cell(conds.get('source'), m)} | {cell(conds.get('floor'), m)} | {ratio} | {fn} | "
-                         f"{conds.get('target', {}).get('n', 0)} |")
+                         f"{cell(conds.get('source'), m)} | {cell(conds.get('floor'), m)} | {ret(r, 'ratio')} | "
+                         f"{ret(r, 'floor_normalized')} | {conds.get('target', {}).get('n', 0)} |")
+    if average and average.get("tasks"):
+        acc = {c: {"mean": v, "mean_ci": average["accuracy_ci"][c]} for c, v in average["accuracy"].items()}
+        lines.append(f"| **average** ({len(average['tasks'])} tasks) | primary | {cell(acc.get('target'), 'mean')} | "
+                     f"{cell(acc.get('transfer'), 'mean')} | {cell(acc.get('source'), 'mean')} | "
+                     f"{cell(acc.get('floor'), 'mean')} | {ret(average, 'retention')} | {ret(average, 'floor_normalized')} | |")
     return "\n".join(lines)
+
+
+def lambda_summary(meta):
+    """One line: the lambdas the fit chose per target layer, for K and V."""
+    def one(lams):
+        lams = sorted(lams)
+        return f"median {lams[len(lams) // 2]:g} (from {lams[0]:g} to {lams[-1]:g})" if len(set(lams)) > 1 else f"{lams[0]:g}"
+    lam = meta.get("lambda")
+    return "; ".join(f"{kind.upper()} {one(v)}" for kind, v in lam.items()) if isinstance(lam, dict) else str(lam)
 
 
 def bench_default(is_toy, device):
@@ -181,10 +257,10 @@ def main(argv=None):
     t0 = time.time()
     src_dir, tgt_dir, src_name, tgt_name = resolve(args)
     is_toy = src_name.startswith("toy-") or args.tasks is not None and args.tasks.startswith("toy_")
-    args.calib = args.calib or ([] if is_toy else [args.data_dir / "calib" / "wikitext-2"])
-    args.calib_seqs = args.calib_seqs or (200 if is_toy else 500)
-    args.calib_len = args.calib_len or (256 if is_toy else 1024)
-    args.limit = args.limit or (200 if is_toy else 500)
+    args.calib = args.calib or ([] if is_toy else [args.data_dir / c for c in REAL_CALIB])
+    args.calib_seqs = (200 if is_toy else 500) if args.calib_seqs is None else args.calib_seqs
+    args.calib_len = (256 if is_toy else 1024) if args.calib_len is None else args.calib_len
+    args.limit = (200 if is_toy else 500) if args.limit is None else args.limit
     tasks = (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",")
     devices = dist.init(args.devices.split(",") if args.devices else [args.device])
     args.device = devices[0]
@@ -196,44 +272,46 @@ def main(argv=None):
     check_matched_kv(src_cfg, tgt_cfg, args.scope)
     src_tok, tok = kvt.load_tokenizer(src_dir), kvt.load_tokenizer(tgt_dir)
     check_same_tokenizer(src_tok, tok)
-    for task in tasks:
-        evals.load_task(task, args.data_dir, 1)  # a missing data file fails now, not after calibration
+    items = {task: evals.load_task(task, args.data_dir, args.limit, seed=args.seed) for task in tasks}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
-    ids = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, documents=toy_text)
-    out.mkdir(parents=True, exist_ok=True)
-    name = settings_id(args, src_dir, tgt_dir)
+    calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text)
+    key = mapper_key(args, src_dir, tgt_dir, calib)
     lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
-    memory = plan(src_cfg, tgt_cfg, args.scope, args.k, args.context or max(lengths + [args.calib_len]), dtype,
-                  devices, calib_len=args.calib_len, stats_dtype=getattr(torch, args.stats_dtype),
-                  candidates=args.candidates, calibrate=not (out / f"mapper-{name}.safetensors").exists())
+    cap = capacity(devices)
+    memory = split_to_fit(plan(src_cfg, tgt_cfg, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
+                               dtype, devices, calib_len=args.calib_len, stats_dtype=getattr(torch, args.stats_dtype),
+                               candidates=args.candidates), cap)
     if dist.rank() == 0:
-        print(format_plan(memory, capacity(devices), f"{src_name} -> {tgt_name}"))
-    check_plan(memory, capacity(devices))
+        print(format_plan(memory, cap, f"{src_name} -> {tgt_name}"))
+    check_plan(memory, cap)
+    out.mkdir(parents=True, exist_ok=True)
     source = kvt.load_model(src_dir, dtype, devices=devices)
     target = kvt.load_model(tgt_dir, dtype, devices=devices)
     print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")
 
-    # 2-3. mapper and its diagnostics
-    mapper = get_mapper(args, source, target, tok, ids, out, name, dtype)
-    if len(set(devices)) > 1:
-        mapper = mapper.place(layer_devices(target))
+    # 2-3. mapper and its diagnostics, with its weights where the target keeps each layer
+    mapper, name = get_mapper(args, source, target, tok, calib, out, key, dtype, memory.options["group"])
+    mapper = mapper.place(layer_devices(target))
     diag = mapper.meta["diagnostics"]
     fit, reasons = gate(diag, args.min_attn_cos, args.max_kl)
     print(format_diagnostics(diag))
     print("gate: fit for use" if fit else "gate: UNFIT: " + "; ".join(reasons))
 
     # 4. evaluation, all conditions on the same items
+    header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(dtype)}
     conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
-    records = run_tasks(args, tasks, tok, conds, out / f"records-{name}.jsonl", {})
-    summary = evals.summarize(records)
+    records = run_tasks(args, items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header)
+    summary, average = evals.summarize(records), evals.average_retention(records)
     coqa = {}
     if "coqa" in tasks:  # the other direction: the large model hands the conversation to the small one
-        back = get_mapper(args, source, target, tok, ids, out, name, dtype, reverse=True)
-        transfer_back = evals.transfer(target, source, back)
-        rev = run_tasks(args, ["coqa"], tok, {"target": evals.Condition(source), "transfer": evals.Condition(source, transfer_back)},
-                        out / f"records-{name}-reverse.jsonl", {})
-        coqa = {f"{src_name} -> {tgt_name}": evals.coqa_agreement(records),
-                f"{tgt_name} -> {src_name}": evals.coqa_agreement(rev)}
+        back, back_name = get_mapper(args, target, source, tok, calib, out, dict(key, reverse=True), dtype)
+        back = back.place(layer_devices(source))
+        rev_header = dict(header, mapper=back_name)
+        rev = run_tasks(args, {"coqa": items["coqa"]}, tok,
+                        {"target": evals.Condition(source), "transfer": evals.Condition(source, evals.transfer(target, source, back))},
+                        out / f"records-{back_name}-{short_hash(rev_header)}.jsonl", rev_header)
+        coqa = {f"{src_name} -> {tgt_name}": {"gold": evals.coqa_turns(records), "agreement": evals.coqa_agreement(records)},
+                f"{tgt_name} -> {src_name}": {"gold": evals.coqa_turns(rev), "agreement": evals.coqa_agreement(rev)}}
 
     if dist.rank() != 0:
         return dist.close()
@@ -245,25 +323,42 @@ def main(argv=None):
         rows = bench(source, target, mapper, back, lengths, names=(src_name, tgt_name))
 
     # 6. report
-    table = format_summary(summary, src_name, tgt_name)
-    report = [f"# kvt: {src_name} -> {tgt_name}", "", f"mapper: {name}, scope {args.scope}, k={args.k}, "
-              f"lambda {mapper.meta.get('lambda')}, {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); "
-              f"calibration {args.calib_seqs} x {args.calib_len} tokens", "",
+    table = format_summary(summary, average, src_name, tgt_name)
+    k_used = mapper.meta.get("k", args.k)
+    report = [f"# kvt: {src_name} -> {tgt_name}", "",
+              f"mapper: {name}, {args.mapper}, {args.scope} scope, k={k_used}"
+              + (f" (of {args.k} asked; the source has {src_cfg.n_layers} layers)" if k_used != args.k else "")
+              + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
+              f"{args.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
+              f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
+              f"items: a seeded sample (seed {args.seed}) of up to {args.limit} per task, the same for every condition", "",
               "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
               "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
               "## Accuracy (%, 95% interval) and retention", "", table]
     for direction, c in coqa.items():
-        report += ["", f"## CoQA handoff {direction}: F1 of transfer vs the model's own answers, per turn", "",
-                   " ".join(f"turn {t}: {f:.1f}" for t, f in zip(c["turns"], c["f1"])),
-                   f"mean {c['mean']:.1f}, drift {c['drift_per_turn']:+.2f} points per turn"]
+        g, a = c["gold"], c["agreement"]
+        report += ["", f"## CoQA, handed over {direction}: gold F1 per turn", "",
+                   "| turn | " + " | ".join(str(t) for t in g["turns"]) + " |",
+                   "|---|" + "---|" * len(g["turns"])]
+        for cond in ("target", "transfer"):
+            report.append(f"| {cond} | " + " | ".join(f"{f:.1f}" for f in g["f1"][cond]) + " |")
+        num = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
+        report += ["", f"gold F1 target {num(g['mean']['target']['f1'], '.1f')}, transfer "
+                   f"{num(g['mean']['transfer']['f1'], '.1f')} (EM {num(g['mean']['target']['em'], '.1f')} / "
+                   f"{num(g['mean']['transfer']['em'], '.1f')}); gap target - transfer {num(g['mean_gap'], '+.1f')} F1 "
+                   f"points, its drift {num(g['drift']['gap'], '+.2f')} points per turn; transfer scored against the "
+                   f"target's own answers: F1 {num(a['mean'], '.1f')}, drift {num(a['drift_per_turn'], '+.2f')} per turn"]
     if rows:
         report += ["", "## Prefill vs transfer (seconds, median)", "", format_rows(rows)]
     report += ["", f"wall time {time.time() - t0:.0f} s"]
     write_atomic(out / "report.md", "\n".join(report) + "\n")
-    results = {"pair": [src_name, tgt_name], "mapper": name, "settings": {k: str(v) for k, v in vars(args).items()},
-               "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons}, "tasks": summary, "coqa": coqa,
-               "bench": rows, "wall_s": time.time() - t0}
-    write_atomic(out / "results.json", json.dumps(results, indent=1, default=str))
+    settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
+                for k, v in vars(args).items()}
+    results = {"pair": [src_name, tgt_name], "mapper": name, "settings": settings, "k_used": k_used,
+               "lambda": mapper.meta.get("lambda"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
+               "tasks": summary, "average_retention": average, "coqa": coqa, "bench": rows,
+               "items": {task: [it.id for it in its] for task, its in items.items()}, "wall_s": time.time() - t0}
+    write_atomic(out / "results.json", json.dumps(results, indent=1, allow_nan=False))
     print("\n" + "\n".join(report[report.index("## Accuracy (%, 95% interval) and retention"):]))
     print(f"\nwrote {out / 'report.md'} and {out / 'results.json'}")
     dist.close()

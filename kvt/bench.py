@@ -12,7 +12,7 @@ For each context length n and each direction (source -> target):
 Each is warmed up, synchronized before every clock read, and the median of `repeats` runs. Timing
 needs no trained weights, so models and mappers may be random, built from named shapes alone:
 
-    python -m kvt.bench --pair qwen3-0.6b:1.7b --lengths 512,1024,2048,4096 [--device cuda --dtype bfloat16]
+    python -m kvt.bench --pair qwen3-0.6b:1.7b --lengths 512,1024,2048,4096 [--scope head] [--device cuda --dtype bfloat16]
 
 A pair whose two models do not fit in memory together runs with --lean (bench_lean): the models are
 built in turn and only their caches are kept between them.
@@ -27,11 +27,11 @@ from tqdm import tqdm
 
 from kvt.config import parse_pair, shape
 from kvt.mapper import Mapper
-from kvt.model import build_model
+from kvt.model import build_model, layer_devices
 from kvt.stats import KINDS
 
 
-def random_mapper(src_cfg, tgt_cfg, scope="head", k=8, dtype=torch.float32, device="cpu", seed=0):
+def random_mapper(src_cfg, tgt_cfg, scope="layer", k=8, dtype=torch.float32, device="cpu", seed=0):
     """A Mapper of the right shapes with random weights: for timing only."""
     k = min(k, src_cfg.n_layers)
     G = src_cfg.n_kv_heads if scope == "head" else 1
@@ -87,13 +87,19 @@ def prefills(model, ids, lengths, repeats, name=""):
 
 
 @torch.no_grad()
+def transfer_step(target, mapper, cache, ids, n):
+    """The timed part of a handoff of ids[:, :n]: map the source's cache of the first n - 1 tokens (a crop
+    of `cache`), then the target runs token n itself. Returns its logits and cache, as handoff does."""
+    return target(ids[:, n - 1:n], cache=mapper.apply(cache.crop(0, n - 1)))
+
+
+@torch.no_grad()
 def transfers(target, mapper, cache, ids, lengths, repeats, name=""):
-    """{n: median seconds of a handoff of ids[:, :n]}: mapper.apply on the source's cache of the first
-    n - 1 tokens, then the target runs token n itself."""
+    """{n: median seconds of transfer_step at n}, the mapper placed where the target keeps each layer."""
     device, times = next(target.parameters()).device, {}
+    mapper = mapper if mapper.placed else mapper.place(layer_devices(target))
     for n in tqdm(lengths, desc=f"transfer -> {name}", unit="length"):
-        first = cache.crop(0, n - 1)
-        times[n] = median_time(lambda: target(ids[:, n - 1:n], cache=mapper.apply(first)), device, repeats)
+        times[n] = median_time(lambda: transfer_step(target, mapper, cache, ids, n), device, repeats)
     return times
 
 
@@ -149,7 +155,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Time target prefill vs KV transfer on random weights of named shapes.")
     ap.add_argument("--pair", default="qwen3-0.6b:1.7b")
     ap.add_argument("--lengths", default="512,1024,2048,4096")
-    ap.add_argument("--scope", default="head", choices=["head", "layer"])
+    ap.add_argument("--scope", default="layer", choices=["layer", "head"], help="layer: the paper's (default)")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

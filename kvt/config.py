@@ -77,6 +77,9 @@ def _rope_params(c):
     p.setdefault("rope_theta", c.get("rope_theta", 10000.0))
     if p["rope_type"] not in ("default", "llama3", "yarn"):
         raise KvtError(f"config.json: rope type {p['rope_type']!r} is not implemented (kvt has default, llama3, yarn)")
+    if p["rope_type"] != "default":  # the pretraining length, where transformers looks for it
+        p.setdefault("original_max_position_embeddings",
+                     c.get("original_max_position_embeddings") or c.get("max_position_embeddings", 4096))
     return p
 
 

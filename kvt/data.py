@@ -1,13 +1,26 @@
-"""Calibration data: n token sequences of one length, drawn deterministically (seeded) from local text.
+"""Calibration data: token windows from local text, in three disjoint regions, drawn deterministically.
 
-Accepted files: .txt (the whole file is one document), .jsonl (one document per line, field "text"),
-and .json lists of records (field "text", or CodeAlpaca's instruction / input / output). A folder is
-read in sorted name order, skipping README/SOURCES/LICENSE files. All documents are joined into one
-text; each sequence starts at a seeded random character offset and keeps its first `length` tokens
-(after the tokenizer's BOS when it has one, so calibration looks like the prompts the models see).
+    calib = calibration_sequences(paths, tokenizer, n=500, length=1024)
+    calib.fit    (500, 1024)  the sequences the statistics (and the MLP) are fitted on
+    calib.val    (50, 1024)   validation: layer selection, the ridge lambda, MLP early stopping
+    calib.diag   (25, 1024)   diagnostics and the gate only: no choice ever sees them
+
+How. Files are read into documents: a .txt file is one document, except that WikiText's article
+headings (" = Title = ") start a new one and a Project Gutenberg book keeps only the text between its
+"*** START OF" and "*** END OF" lines; a .jsonl holds one document per line (field "text"); a .json
+is a list of records ("text", or CodeAlpaca's instruction / input / output). A folder is read in
+sorted name order, skipping README/SOURCES/LICENSE files. The documents are shuffled with the seed and
+dealt out whole: diagnostics take documents until they hold enough tokens, then validation, and fit
+gets every document left, so no document is shared by two regions. Within a region the documents are
+joined ("\n\n") into one token stream, cut into consecutive windows, and the windows used are a seeded
+sample of those: no window overlaps another. Each sequence is the tokenizer's BOS (when it has one) and
+then length - 1 tokens of its window, so calibration looks like the prompts the models see.
 """
+import hashlib
 import json
 import random
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +28,34 @@ import torch
 from kvt.config import KvtError
 
 SKIP = ("README", "SOURCES", "LICENSE")
+WIKITEXT_ARTICLE = re.compile(r"^ = [^=].* = $", re.M)   # " = Robert Boulter = "; sections have " = = "
+GUTENBERG = re.compile(r"^\*\*\* START OF.*?$(.*?)^\*\*\* END OF", re.M | re.S)
+
+
+@dataclass
+class Calibration:
+    """Token ids (n, T) of the three regions (see the module docstring)."""
+    fit: torch.Tensor
+    val: torch.Tensor
+    diag: torch.Tensor
+
+    def hash(self):
+        """A short id of every token of the three regions: what statistics and mappers are keyed by."""
+        h = hashlib.sha256()
+        for ids in (self.fit, self.val, self.diag):
+            h.update(str(tuple(ids.shape)).encode() + ids.cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def split_text(text):
+    """One .txt file -> its documents (WikiText articles; a Gutenberg book without its license text)."""
+    book = GUTENBERG.search(text)
+    if book:
+        return [book.group(1)]
+    starts = [m.start() for m in WIKITEXT_ARTICLE.finditer(text)]
+    if len(starts) < 2:
+        return [text]
+    return [text[a:b] for a, b in zip([0] + starts, starts + [len(text)])]
 
 
 def read_documents(paths_or_dir):
@@ -31,7 +72,7 @@ def read_documents(paths_or_dir):
     docs = []
     for f in files:
         if f.suffix == ".txt":
-            docs.append(f.read_text(encoding="utf-8", errors="replace"))
+            docs += split_text(f.read_text(encoding="utf-8", errors="replace"))
         elif f.suffix == ".jsonl":
             lines = f.read_text(encoding="utf-8").splitlines()
             docs += [_record_text(json.loads(line), f) for line in lines if line.strip()]
@@ -48,28 +89,45 @@ def _record_text(r, f):
     raise KvtError(f"{f}: records need a 'text' field (or CodeAlpaca's instruction/input/output)")
 
 
-def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documents=None):
-    """LongTensor (n, length) of token ids; the same arguments always give the same tensor.
-    documents: a list of texts to draw from instead of files (e.g. the toy corpus)."""
-    text = "\n\n".join(documents if documents is not None else read_documents(paths_or_dir))
+def region_sizes(n):
+    """(validation, diagnostics) sequences for n fit sequences: a tenth and a twentieth, at least 2 each."""
+    return max(2, round(n / 10)), max(2, round(n / 20))
+
+
+def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documents=None, n_val=None, n_diag=None):
+    """A Calibration of n fit, n_val validation and n_diag diagnostics sequences of `length` tokens
+    (defaults: region_sizes(n)); the same arguments always give the same ids. documents: a list of
+    texts to draw from instead of files (e.g. the toy corpus)."""
+    if n < 1 or length < 2:
+        raise KvtError(f"calibration needs at least 1 sequence of at least 2 tokens (got {n} x {length})")
+    docs = documents if documents is not None else read_documents(paths_or_dir)
+    defaults = region_sizes(n)
+    wanted = {"diag": defaults[1] if n_diag is None else n_diag, "val": defaults[0] if n_val is None else n_val,
+              "fit": n}
     bos = getattr(tokenizer, "bos_id", None)
-    need = length - (bos is not None)
+    need = length - (bos is not None)                        # tokens taken from the text per sequence
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        start = rng.randrange(max(1, len(text) - 8 * need))     # ~4 characters a token: leave room
-        start = text.find(" ", start) + 1 if " " in text[start:start + 64] else start  # begin on a word
-        chars = 8 * need
-        while True:  # widen the window until it holds enough tokens or reaches the end of the text
-            ids = tokenizer.encode(text[start:start + chars], special=False)
-            if len(ids) >= need or start + chars >= len(text):
-                break
-            chars *= 2
-        if len(ids) < need:
-            raise KvtError(f"calibration text has too few tokens for sequences of {length} "
-                           f"(got {len(ids)} from offset {start}); use a larger corpus or a smaller --calib-len")
-        out.append(([bos] if bos is not None else []) + ids[:need])
-    return torch.tensor(out, dtype=torch.long)  # (n, length)
+    order = rng.sample(range(len(docs)), len(docs))          # documents in a seeded order
+    sep = tokenizer.encode("\n\n", special=False)
+    streams, i = {}, 0
+    for region in ("diag", "val", "fit"):                    # fit last: it takes every document left
+        stream = []
+        while i < len(order) and (region == "fit" or len(stream) < wanted[region] * need):
+            stream += tokenizer.encode(docs[order[i]], special=False) + sep
+            i += 1
+        streams[region] = stream
+    out = {}
+    for region, stream in streams.items():
+        slots = len(stream) // need                          # consecutive, non-overlapping windows
+        if slots < wanted[region]:
+            total = sum(len(s) // need for s in streams.values())
+            raise KvtError(f"calibration text holds {slots} windows of {length} tokens for its {region} region "
+                           f"({total} in all, {len(docs)} documents) but {wanted[region]} are asked for; "
+                           "ask for fewer or shorter sequences (--calib-seqs, --calib-len) or add text (--calib)")
+        picked = sorted(rng.sample(range(slots), wanted[region]))
+        out[region] = torch.tensor([([bos] if bos is not None else []) + stream[s * need:(s + 1) * need]
+                                    for s in picked], dtype=torch.long).view(-1, length)   # (count, length)
+    return Calibration(out["fit"], out["val"], out["diag"])
 
 
 def check_same_tokenizer(src_tok, tgt_tok):

@@ -21,13 +21,17 @@ A condition says where the context's cache comes from; a model then scores or ge
     source    the source model alone
     floor     the target with only the task's minimal prefix (BOS, "Answer:", "A:"): what it knows
               without the context, so retention can be read against it
-Each item is scored under every condition, so the comparison is paired. evaluate() yields one plain
-dict per (item, condition), which run.py appends to a jsonl and uses to resume; summarize() turns
-records into accuracy, n, 95% intervals and retention.
+Each item is scored under every condition, so the comparison is paired. load_task() gives a task's
+items in one fixed seeded order, stratified (MMLU by subject, HellaSwag and CoQA by source), so the
+first N are a representative sample and a smaller N is a prefix of a larger one. evaluate() yields one
+plain dict per (item, condition), keyed by the item's id, which run.py appends to a jsonl and uses to
+resume; summarize() turns records into accuracy, n, 95% intervals and retention per task, and
+average_retention() into the mean over tasks of each task's primary-metric retention.
 """
 import json
 import math
 import os
+import random
 import re
 import string
 from collections import Counter
@@ -77,12 +81,13 @@ def read_jsonl(data_dir, name):
 @dataclass
 class Item:
     """One prompt. Multiple choice: `choices` and the index `gold`. Generation: the answer `gold`."""
-    id: str
+    id: str                # unique within its task: records are keyed by (task, condition, id)
     context: str           # everything before the answer, few-shot examples included
     gold: object           # MC: int index; gsm8k: the number as a string
     choices: list = None   # MC continuations without the leading space (the harness's doc_to_choice)
     floor: str = ""        # the minimal prefix the `floor` condition sees instead of the context
     until: tuple = ()      # exact match: stop strings of the generation
+    stratum: str = ""      # the group a sample keeps in proportion (MMLU subject, HellaSwag source)
 
 
 @dataclass
@@ -92,6 +97,7 @@ class Conversation:
     story: str
     questions: list
     answers: list = field(default_factory=list)
+    stratum: str = ""      # the story's source: mctest, race, cnn, wikipedia, gutenberg
 
 
 def hellaswag_preprocess(text):
@@ -102,18 +108,21 @@ def hellaswag_preprocess(text):
     return text.replace("  ", " ")
 
 
-def hellaswag(data_dir, limit=None):
+def hellaswag(data_dir):
+    """Every item in file order: ActivityNet rows first, then WikiHow. `ind` repeats across the two
+    sources (9,609 distinct of 10,042), so the id is "activitynet/24", "wikihow/1"."""
     items = []
-    for row in read_jsonl(data_dir, "hellaswag/validation.jsonl")[:limit]:
+    for row in read_jsonl(data_dir, "hellaswag/validation.jsonl"):
+        source = row["source_id"].split("~")[0]  # "activitynet~v_0bosp4-pyTM" -> "activitynet"
         ctx = row["ctx_a"] + " " + row["ctx_b"].capitalize()
-        items.append(Item(str(row["ind"]), hellaswag_preprocess(row["activity_label"] + ": " + ctx),
-                          int(row["label"]), [hellaswag_preprocess(e) for e in row["endings"]]))
+        items.append(Item(f"{source}/{row['ind']}", hellaswag_preprocess(row["activity_label"] + ": " + ctx),
+                          int(row["label"]), [hellaswag_preprocess(e) for e in row["endings"]], stratum=source))
     return items
 
 
-def arc(data_dir, subset="arc_easy", limit=None):
+def arc(data_dir, subset="arc_easy"):
     items = []
-    for row in read_jsonl(data_dir, f"{subset}/test.jsonl")[:limit]:
+    for row in read_jsonl(data_dir, f"{subset}/test.jsonl"):
         labels = row["choices"]["label"]
         items.append(Item(row["id"], f"Question: {row['question']}\nAnswer:", labels.index(row["answerKey"]),
                           list(row["choices"]["text"]), floor="Answer:"))
@@ -125,17 +134,18 @@ def _mmlu_question(row):
     return f"{row['question'].strip()}{letters}\nAnswer:"
 
 
-def mmlu(data_dir, shots=5, limit=None):
+def mmlu(data_dir, shots=5):
+    """Every test item in file order (sorted by subject); the shots are the subject's first dev items."""
     dev = {}
     for row in read_jsonl(data_dir, "mmlu/dev.jsonl"):
         dev.setdefault(row["subject"], []).append(row)
     items = []
-    for i, row in enumerate(read_jsonl(data_dir, "mmlu/test.jsonl")[:limit]):
+    for i, row in enumerate(read_jsonl(data_dir, "mmlu/test.jsonl")):
         subject = row["subject"]
         header = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
         examples = "".join(_mmlu_question(d) + " " + "ABCD"[d["answer"]] + "\n\n" for d in dev[subject][:shots])
         items.append(Item(f"{subject}/{i}", header + examples + _mmlu_question(row), row["answer"],
-                          ["A", "B", "C", "D"], floor="Answer:"))
+                          ["A", "B", "C", "D"], floor="Answer:", stratum=subject))
     return items
 
 
@@ -172,17 +182,17 @@ GSM8K_SHOTS = [  # gsm8k-cot.yaml fewshot_config.samples, in order
 GSM8K_UNTIL = ("Q:", "</s>", "<|im_end|>")
 
 
-def gsm8k(data_dir, shots=8, limit=None):
+def gsm8k(data_dir, shots=8):
     examples = "".join(f"Q: {q}\nA: {a}\n\n" for q, a in GSM8K_SHOTS[:shots])
     return [Item(str(i), examples + f"Q: {row['question']}\nA:", row["answer"].split("####")[-1].strip(),
                  floor="A:")
-            for i, row in enumerate(read_jsonl(data_dir, "gsm8k/test.jsonl")[:limit])]
+            for i, row in enumerate(read_jsonl(data_dir, "gsm8k/test.jsonl"))]
 
 
-def coqa(data_dir, limit=None, turns=10):
+def coqa(data_dir, turns=10):
     """Conversations cut to their first `turns` turns (HF stanfordnlp/coqa or EleutherAI/coqa fields)."""
     convs = []
-    for row in read_jsonl(data_dir, "coqa/validation.jsonl")[:limit]:
+    for row in read_jsonl(data_dir, "coqa/validation.jsonl"):
         text = lambda x: x["input_text"] if isinstance(x, dict) else x  # noqa: E731 (HF nests input_text)
         questions, answers = text(row["questions"])[:turns], text(row["answers"])[:turns]
         extra = [text(a) for a in (row.get("additional_answers") or {}).values()]
@@ -192,15 +202,15 @@ def coqa(data_dir, limit=None, turns=10):
             for other in extra:
                 if t < len(other) and other[t].lower() not in map(str.lower, golds[t]):
                     golds[t].append(other[t])
-        convs.append(Conversation(row["id"], row["story"], questions, golds))
+        convs.append(Conversation(row["id"], row["story"], questions, golds, stratum=row.get("source", "")))
     return convs
 
 
-def toy_task(data_dir, name, limit=None):
-    """A task of the toy family (kvt/toy.py), generated from a fixed seed: no data files. The floor sees
-    only the context's last clause (the question without the facts it asks about)."""
+def toy_task(data_dir, name, n=1000):
+    """A task of the toy family (kvt/toy.py): a fixed pool of n items generated from a fixed seed, no data
+    files. The floor sees only the context's last clause (the question without the facts it asks about)."""
     items = []
-    for i, r in enumerate(toy.toy_tasks(name, limit or 200)):
+    for i, r in enumerate(toy.toy_tasks(name, n)):
         context = r.get("context", r.get("prompt"))
         floor = context.rsplit(".", 1)[-1] if "." in context else context
         if "choices" in r:
@@ -210,22 +220,52 @@ def toy_task(data_dir, name, limit=None):
     return items
 
 
-TASKS = {  # name -> (loader, kind)
-    "hellaswag": (hellaswag, "mc"),
-    "arc_easy": (partial(arc, subset="arc_easy"), "mc"),
-    "arc_challenge": (partial(arc, subset="arc_challenge"), "mc"),
-    "mmlu": (mmlu, "mc"),
-    "gsm8k": (gsm8k, "gen"),
-    "coqa": (coqa, "coqa"),
-    **{f"toy_{t}": (partial(toy_task, name=t), "mc" if t in ("recall", "count") else "em") for t in toy.TASKS},
+TASKS = {  # name -> (loader, kind, primary metric: the one average_retention reads)
+    "hellaswag": (hellaswag, "mc", "acc_norm"),
+    "arc_easy": (partial(arc, subset="arc_easy"), "mc", "acc_norm"),
+    "arc_challenge": (partial(arc, subset="arc_challenge"), "mc", "acc_norm"),
+    "mmlu": (mmlu, "mc", "acc"),
+    "gsm8k": (gsm8k, "gen", "em_strict"),
+    "coqa": (coqa, "coqa", "f1"),
+    **{f"toy_{t}": (partial(toy_task, name=t), *(("mc", "acc") if t in ("recall", "count") else ("em", "em")))
+       for t in toy.TASKS},
 }
 
 
-def load_task(name, data_dir, limit=None, **options):
-    """Items of a task; options go to its loader (mmlu: shots=0 for zero-shot; coqa: turns)."""
+def sample_order(strata, seed=0):
+    """A fixed order of items whose every prefix is a stratified sample: indices into `strata` (one label
+    per item). Items are shuffled within each stratum; the order starts with one item of each stratum (in
+    a seeded order, so a prefix of >= #strata items has them all), then at each step takes the next item
+    of the stratum furthest below its quota p_s * n (n items after this step, p_s its share of all items;
+    ties go to the earlier stratum of that first round). One stratum: a plain seeded shuffle."""
+    rng = random.Random(seed)
+    groups = {}  # stratum -> its item indices, shuffled
+    for i, s in enumerate(strata):
+        groups.setdefault(s, []).append(i)
+    for s in sorted(groups):
+        rng.shuffle(groups[s])
+    names = sorted(groups)
+    rng.shuffle(names)
+    N, taken = len(strata), dict.fromkeys(names, 1)
+    order = [groups[s][0] for s in names]
+    while len(order) < N:
+        n = len(order) + 1
+        # deficit p_s * n - taken_s, times N to stay in integers
+        s = max((s for s in names if taken[s] < len(groups[s])), key=lambda s: len(groups[s]) * n - taken[s] * N)
+        order.append(groups[s][taken[s]])
+        taken[s] += 1
+    return order
+
+
+def load_task(name, data_dir, limit=None, seed=0, **options):
+    """The first `limit` items of a task in its fixed seeded order (sample_order over the items' strata),
+    so a smaller limit is a prefix of a larger one and a resumed run sees the same items.
+    options go to its loader (mmlu: shots=0 for zero-shot; coqa: turns; toy tasks: n, the pool size)."""
     if name not in TASKS:
         raise KvtError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    return TASKS[name][0](data_dir, limit=limit, **options)
+    items = TASKS[name][0](data_dir, **options)
+    assert len({item.id for item in items}) == len(items), f"{name}: item ids repeat"
+    return [items[i] for i in sample_order([item.stratum for item in items], seed)[:limit]]
 
 
 # ---------------------------------------------------------------------------------- conditions
@@ -278,7 +318,7 @@ def encode_pair(tok, context, continuation):
         context, continuation = context[:-n], context[-n:] + continuation
     ctx = tok.encode(context)
     whole = tok.encode(context + continuation)
-    return ctx or [tok.eos_id], whole[len(ctx):]  # an empty context is one end-of-text token, as there
+    return ctx or [tok.prefix_id], whole[len(ctx):]  # an empty context is the prefix token (BOS or EOS), as there
 
 
 @torch.no_grad()
@@ -324,7 +364,7 @@ def score_mc(cond, tok, item):
 @torch.no_grad()
 def generate_until(cond, tok, context, until, max_new_tokens):
     """Greedy text after the context, cut at the first of the stop strings (the harness's generate_until)."""
-    ids = tok.encode(context) or [tok.eos_id]
+    ids = tok.encode(context) or [tok.prefix_id]
     last, cache = cond(torch.tensor([ids], device=_device(cond.model)))
     out = generate(cond.model, last, cache, max_new_tokens, stop_ids=(tok.eos_id,), stop=until,
                    decode=tok.decode)[0]
@@ -391,11 +431,20 @@ def token_f1(gold, pred):
     return 2 * precision * recall / (precision + recall)
 
 
-def coqa_f1(golds, pred):
-    """The harness's compute_scores F1: with several golds, the mean over leaving each one out of the max."""
+def exact_match(gold, pred):
+    """SQuAD exact match: 1.0 if the answers are equal after squad_normalize."""
+    return float(squad_normalize(gold) == squad_normalize(pred))
+
+
+def coqa_score(score, golds, pred):
+    """The harness's compute_scores: with several golds, the mean over leaving each one out of the max."""
     if len(golds) == 1:
-        return token_f1(golds[0], pred)
-    return sum(max(token_f1(g, pred) for g in golds[:i] + golds[i + 1:]) for i in range(len(golds))) / len(golds)
+        return score(golds[0], pred)
+    return sum(max(score(g, pred) for g in golds[:i] + golds[i + 1:]) for i in range(len(golds))) / len(golds)
+
+
+coqa_f1 = partial(coqa_score, token_f1)
+coqa_em = partial(coqa_score, exact_match)
 
 
 def coqa_segments(conv):
@@ -436,29 +485,34 @@ def score_coqa(cond, tok, conv, start=2, max_new_tokens=64):
     answers = converse(cond, tok, conv, start, max_new_tokens)
     turns = list(range(start, start + len(answers)))
     f1 = [coqa_f1(conv.answers[t - 1], a) for t, a in zip(turns, answers)]
-    return {"turns": turns, "answers": answers, "f1_turns": f1, "f1": sum(f1) / max(1, len(f1))}
+    em = [coqa_em(conv.answers[t - 1], a) for t, a in zip(turns, answers)]
+    return {"turns": turns, "answers": answers, "f1_turns": f1, "em_turns": em,
+            "f1": sum(f1) / max(1, len(f1)), "em": sum(em) / max(1, len(em))}
 
 
 # ------------------------------------------------------------------------------------- running
 
-METRICS = {"mc": ("acc", "acc_norm"), "gen": ("em_strict", "em_flexible"), "coqa": ("f1",), "em": ("em",)}
+METRICS = {"mc": ("acc", "acc_norm"), "gen": ("em_strict", "em_flexible"), "coqa": ("f1", "em"), "em": ("em",)}
 
 
 def evaluate(task, items, tok, conds, done=(), progress=True, **options):
-    """Yield one record per (item, condition), item by item, skipping (condition, idx) pairs in `done`.
+    """Yield one record {"task", "condition", "id", ...scores} per (item, condition), item by item,
+    skipping the (condition, item id) pairs in `done`, so a resumed run may list its items in any order.
     options: max_new_tokens (gsm8k, coqa), start (coqa: the turn that follows the handoff).
     CoQA has no floor (without the story there is nothing to answer from); floor conditions are skipped."""
     kind = TASKS[task][1]
     score = {"mc": score_mc, "gen": score_gsm8k, "coqa": score_coqa, "em": score_em}[kind]
     done = set(map(tuple, done))
-    for idx, item in enumerate(tqdm(items, desc=task, disable=not progress)):
+    for item in tqdm(items, desc=task, disable=not progress):
         for name, cond in conds.items():
-            if (name, idx) in done or (kind == "coqa" and cond.floor):
+            if (name, item.id) in done or (kind == "coqa" and cond.floor):
                 continue
-            yield {"task": task, "condition": name, "idx": idx, "id": item.id, **score(cond, tok, item, **options)}
+            yield {"task": task, "condition": name, "id": item.id, **score(cond, tok, item, **options)}
 
 
 # --------------------------------------------------------------------------------------- stats
+# Undefined numbers (a ratio over 0, an interval with no finite resample) are None, never NaN, so a
+# summary is strict JSON.
 
 def wilson(k, n, z=1.96):
     """95% Wilson score interval of a proportion k/n."""
@@ -470,34 +524,63 @@ def wilson(k, n, z=1.96):
     return (max(0.0, center - half), min(1.0, center + half))  # clipped: rounding can step past 0 or 1
 
 
-def bootstrap(fn, columns, n_boot=1000, seed=0):
-    """95% percentile interval of fn(*columns) over items resampled with replacement (paired columns)."""
-    cols = [torch.tensor(c, dtype=torch.float64) for c in columns]
-    idx = torch.randint(len(cols[0]), (n_boot, len(cols[0])), generator=torch.Generator().manual_seed(seed))
-    stats = torch.tensor([float(fn(*(c[i] for c in cols))) for i in idx], dtype=torch.float64)
+def percentiles(stats):
+    """95% percentile interval of resampled statistics (n_boot,), over the finite ones; (None, None) if none."""
     stats = stats[stats.isfinite()]
     if len(stats) == 0:
-        return (float("nan"), float("nan"))
+        return (None, None)
     return (stats.quantile(0.025).item(), stats.quantile(0.975).item())
 
 
+def bootstrap(fn, columns, n_boot=1000, seed=0):
+    """95% percentile interval of fn(*columns) over items resampled with replacement (paired columns).
+    fn returns a number, or None where undefined (that resample is dropped)."""
+    cols = [torch.tensor(c, dtype=torch.float64) for c in columns]
+    if len(cols[0]) == 0:
+        return (None, None)
+    idx = torch.randint(len(cols[0]), (n_boot, len(cols[0])), generator=torch.Generator().manual_seed(seed))
+    stats = [fn(*(c[i] for c in cols)) for i in idx]
+    return percentiles(torch.tensor([math.nan if v is None else v for v in stats], dtype=torch.float64))
+
+
 def _ratio(a, b):
-    return float(a.mean() / b.mean()) if b.mean() != 0 else float("nan")
+    """mean(a) / mean(b); None without items or when mean(b) = 0."""
+    return float(a.mean() / b.mean()) if len(b) and b.mean() != 0 else None
 
 
 def _floor_ratio(a, b, f):
-    return float((a.mean() - f.mean()) / (b.mean() - f.mean())) if b.mean() != f.mean() else float("nan")
+    """(mean(a) - mean(f)) / (mean(b) - mean(f)); None without items or when mean(b) = mean(f)."""
+    return float((a.mean() - f.mean()) / (b.mean() - f.mean())) if len(b) and b.mean() != f.mean() else None
+
+
+def _by_task(records):
+    """task -> condition -> item id -> record."""
+    by = {}
+    for r in records:
+        by.setdefault(r["task"], {}).setdefault(r["condition"], {})[r["id"]] = r
+    return by
+
+
+def _common(conds, names):
+    """The item ids every one of the named conditions has, sorted (a fixed order for paired resampling);
+    none if a condition has no records."""
+    return sorted(set.intersection(*(set(conds.get(c, ())) for c in names)))
+
+
+def item_ids(records):
+    """task -> the ids of its items, in the order their first records appear (the sampled order)."""
+    ids = {}
+    for r in records:
+        ids.setdefault(r["task"], {})[r["id"]] = None  # a dict keeps first-seen order
+    return {task: list(seen) for task, seen in ids.items()}
 
 
 def summarize(records, n_boot=1000):
     """{task: {condition: {metric: mean, metric_ci: (lo, hi), n}, "retention": {metric: {...}}}}.
-    Retention = transfer / target and (transfer - floor) / (target - floor), on the items every one of
-    the three conditions has, with a paired bootstrap interval."""
-    by = {}  # task -> condition -> idx -> record
-    for r in records:
-        by.setdefault(r["task"], {}).setdefault(r["condition"], {})[r["idx"]] = r
+    Retention = transfer / target and (transfer - floor) / (target - floor), on the item ids every one
+    of the three conditions has, with a paired bootstrap interval; n = 0 and None when they share none."""
     out = {}
-    for task, conds in by.items():
+    for task, conds in _by_task(records).items():
         metrics = METRICS[TASKS[task][1]]
         out[task] = {}
         for name, recs in conds.items():
@@ -515,7 +598,7 @@ def summarize(records, n_boot=1000):
 
 def _retention(conds, metrics, n_boot):
     names = ["transfer", "target"] + (["floor"] if "floor" in conds else [])
-    common = sorted(set.intersection(*(set(conds[c]) for c in names)))
+    common = _common(conds, names)
     ret = {}
     for m in metrics:
         cols = [[conds[c][i][m] for i in common] for c in names]
@@ -528,22 +611,104 @@ def _retention(conds, metrics, n_boot):
     return ret
 
 
+def average_retention(records, n_boot=1000, seed=0):
+    """The paper's headline: the mean over tasks of each task's retention transfer / target on its
+    primary metric (TASKS), the same for (transfer - floor) / (target - floor) over the tasks with a
+    floor, and each condition's mean primary score over the same tasks ("accuracy").
+
+    A task counts on the item ids all its conditions share. A task whose target scores 0 there has no
+    ratio and stays out of every mean: "tasks" lists those that entered, "skipped" the others and why.
+    95% intervals: a bootstrap that resamples items within each task (the same items for every
+    condition) and recomputes the mean of the per-task ratios; a resample with an undefined ratio is
+    dropped, as in bootstrap()."""
+    cols, skipped = {}, {}  # task -> condition -> primary scores (n,), paired by item
+    for task, conds in _by_task(records).items():
+        metric, ids = TASKS[task][2], _common(conds, conds)
+        if "target" not in conds or "transfer" not in conds:
+            skipped[task] = "no target or no transfer records"
+        elif not ids:
+            skipped[task] = "no item that every condition has"
+        elif sum(conds["target"][i][metric] for i in ids) == 0:
+            skipped[task] = "the target scores 0: retention undefined"
+        else:
+            cols[task] = {c: torch.tensor([conds[c][i][metric] for i in ids], dtype=torch.float64) for c in conds}
+    tasks = list(cols)
+    floor_tasks = [t for t in tasks if "floor" in cols[t] and cols[t]["floor"].mean() != cols[t]["target"].mean()]
+    names = [c for c in ("target", "transfer", "source", "floor") if all(c in cols[t] for t in tasks)]
+
+    def means(score):  # task -> condition -> mean score, 0-d or (n_boot,) -> {quantity: mean over tasks}
+        per_task = {"retention": [score[t]["transfer"] / score[t]["target"] for t in tasks],
+                    "floor_normalized": [(score[t]["transfer"] - score[t]["floor"])
+                                         / (score[t]["target"] - score[t]["floor"]) for t in floor_tasks],
+                    **{c: [score[t][c] for t in tasks] for c in names}}
+        return {k: torch.stack(v).mean(0) if v else None for k, v in per_task.items()}
+
+    point = means({t: {c: v.mean() for c, v in col.items()} for t, col in cols.items()})
+    g, resampled = torch.Generator().manual_seed(seed), {}
+    for t, col in cols.items():
+        n = len(col["target"])
+        idx = torch.randint(n, (n_boot, n), generator=g)                 # (n_boot, n), shared by the conditions
+        resampled[t] = {c: v[idx].mean(1) for c, v in col.items()}       # (n_boot,)
+    boot = means(resampled)
+    out = {"tasks": tasks, "skipped": skipped, "metric": {t: TASKS[t][2] for t in tasks},
+           "n": {t: len(cols[t]["target"]) for t in tasks}, "floor_tasks": floor_tasks,
+           "accuracy": {}, "accuracy_ci": {}}
+    for k in point:
+        value = None if point[k] is None else point[k].item()
+        ci = (None, None) if boot[k] is None else percentiles(boot[k])
+        if k in names:
+            out["accuracy"][k], out["accuracy_ci"][k] = value, ci
+        else:
+            out[k], out[k + "_ci"] = value, ci
+    return out
+
+
+# ---------------------------------------------------------------------------------------- coqa turns
+
+def _slope(xs, ys):
+    """Least-squares slope of ys over xs; None with fewer than two points."""
+    if len(xs) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def coqa_turns(records, conds=("target", "transfer")):
+    """Per turn, each condition's mean gold F1 and EM in points, on the conversations both conditions
+    answered; the gap conds[0] - conds[1] in F1 per turn and over all turns (every turn of every
+    conversation weighs the same, as the harness averages turns); and the drift: least-squares slopes
+    over turns of each condition's F1 and of the gap, in points per turn."""
+    a, b = conds
+    by = _by_task(records).get("coqa", {})
+    per_turn = {}  # turn -> condition -> metric -> scores
+    for i in _common(by, conds):
+        for c in conds:
+            r = by[c][i]
+            for t, f1, em in zip(r["turns"], r["f1_turns"], r["em_turns"]):
+                d = per_turn.setdefault(t, {}).setdefault(c, {"f1": [], "em": []})
+                d["f1"].append(100 * f1)
+                d["em"].append(100 * em)
+    turns = sorted(per_turn)
+    mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+    f1 = {c: [mean(per_turn[t][c]["f1"]) for t in turns] for c in conds}
+    em = {c: [mean(per_turn[t][c]["em"]) for t in turns] for c in conds}
+    gap = [x - y for x, y in zip(f1[a], f1[b])]
+    overall = {c: {m: mean([v for t in turns for v in per_turn[t][c][m]]) for m in ("f1", "em")} for c in conds}
+    return {"turns": turns, "n": [len(per_turn[t][a]["f1"]) for t in turns], "f1": f1, "em": em, "gap": gap,
+            "mean": overall, "mean_gap": None if not turns else overall[a]["f1"] - overall[b]["f1"],
+            "drift": {**{c: _slope(turns, f1[c]) for c in conds}, "gap": _slope(turns, gap)}}
+
+
 def coqa_agreement(records, cond="transfer", reference="target"):
     """Per turn, the mean F1 of `cond`'s answers scored against `reference`'s answers on the same
     conversations, and the drift: the least-squares slope of that F1 over turns, in F1 points per turn."""
-    recs = {(r["condition"], r["idx"]): r for r in records if r["task"] == "coqa"}
+    by = _by_task(records).get("coqa", {})
     per_turn = {}
-    for (name, idx), r in recs.items():
-        if name != cond or (reference, idx) not in recs:
-            continue
-        ref = recs[(reference, idx)]
-        for t, a, b in zip(r["turns"], r["answers"], ref["answers"]):
-            per_turn.setdefault(t, []).append(token_f1(b, a))
+    for i in _common(by, (cond, reference)):
+        r, ref = by[cond][i], by[reference][i]
+        for t, x, y in zip(r["turns"], r["answers"], ref["answers"]):
+            per_turn.setdefault(t, []).append(token_f1(y, x))
     turns = sorted(per_turn)
     f1 = [100 * sum(per_turn[t]) / len(per_turn[t]) for t in turns]
-    slope = float("nan")
-    if len(turns) > 1:
-        mt, mf = sum(turns) / len(turns), sum(f1) / len(f1)
-        slope = sum((t - mt) * (f - mf) for t, f in zip(turns, f1)) / sum((t - mt) ** 2 for t in turns)
     return {"turns": turns, "f1": f1, "n": [len(per_turn[t]) for t in turns],
-            "mean": sum(f1) / len(f1) if f1 else float("nan"), "drift_per_turn": slope}
+            "mean": sum(f1) / len(f1) if f1 else None, "drift_per_turn": _slope(turns, f1)}

@@ -39,9 +39,20 @@ def handoff(source, target, mapper, ids, mask=None):
 
 def r2(pred, true):
     """Fraction of the variance of true (B, Hkv, T, D) explained by pred, pooled over heads and dims."""
+    return r2_from(r2_sums(pred, true))
+
+
+def r2_sums(pred, true):
+    """What r2 needs, as sums that add over sequences: [sum (true - pred)^2, sum true, sum true^2, n],
+    the middle two per (head, dim)."""
     true, pred = true.double(), pred.double()
-    centered = true - true.mean(dim=(0, 2), keepdim=True)             # mean over tokens per (head, dim)
-    return 1 - ((true - pred) ** 2).sum().item() / (centered ** 2).sum().item()
+    n = true.shape[0] * true.shape[2]
+    return [((true - pred) ** 2).sum(), true.sum((0, 2)), (true * true).sum((0, 2)), n]
+
+
+def r2_from(sums):
+    err, s, ss, n = sums
+    return 1 - err.item() / (ss - s * s / n).sum().item()            # variance around the mean over all tokens
 
 
 def attention_cosine(q, k_true, v_true, k_map, v_map):
@@ -60,27 +71,32 @@ def kl(logits_p, logits_q):
 
 @torch.no_grad()
 def diagnose(source, target, mapper, ids, cuts=4):
-    """Diagnostics of a mapper on held-out ids (B, T) (no padding): a dict with
-    r2_k, r2_v, attn_cos (lists over target layers), their means, and kl (mean over B x cuts handoffs)."""
+    """Diagnostics of a mapper on held-out ids (B, T) (no padding), one sequence at a time (the target's
+    queries of every layer are held for one sequence only): a dict with r2_k, r2_v (pooled over the
+    sequences), attn_cos (mean over them), lists over target layers, their means, and kl (mean over
+    B x cuts handoffs)."""
     dtype, device = _dtype_device(target)
-    _, src = source(ids.to(next(source.parameters()).device), last=True)
-    own_logits, true = target(ids.to(device), queries=True)
-    mapped = mapper.apply(src, devices=layer_devices(target)).to(dtype=dtype)
     inv, scale = target.inv_freq, target.rope_scale
-    d = {"r2_k": [], "r2_v": [], "attn_cos": []}
-    for l in range(len(true.keys)):
-        k_true, k_map = (rope.strip(k, true.positions.to(k.device), inv, scale)
-                         for k in (true.keys[l], mapped.keys[l]))
-        d["r2_k"].append(r2(k_map, k_true))
-        d["r2_v"].append(r2(mapped.values[l], true.values[l]))
-        d["attn_cos"].append(attention_cosine(true.queries[l], true.keys[l], true.values[l],
-                                              mapped.keys[l], mapped.values[l]))
-    T = ids.shape[1]
+    L, T = target.config.n_layers, ids.shape[1]
+    sums = {"r2_k": [None] * L, "r2_v": [None] * L}
+    cos, kls = [0.0] * L, []
     points = sorted({max(2, T * (i + 1) // cuts) for i in range(cuts)})  # handoff after c tokens of context
-    kls = []
-    for c in points:  # the source cache of a prefix is a crop of the full one (causal attention)
-        logits, _ = target(ids[:, c - 1:c].to(device), cache=mapped.crop(0, c - 1))
-        kls.append(kl(own_logits[:, c - 1], logits[:, -1]))
+    for seq in ids:
+        _, src = source(seq[None].to(next(source.parameters()).device), last=True)
+        own_logits, true = target(seq[None].to(device), queries=True)
+        mapped = mapper.apply(src, devices=layer_devices(target)).to(dtype=dtype)
+        for l in range(L):
+            k_true, k_map = (rope.strip(k, true.positions.to(k.device), inv, scale)
+                             for k in (true.keys[l], mapped.keys[l]))
+            for name, new in (("r2_k", r2_sums(k_map, k_true)), ("r2_v", r2_sums(mapped.values[l], true.values[l]))):
+                sums[name][l] = new if sums[name][l] is None else [a + b for a, b in zip(sums[name][l], new)]
+            cos[l] += attention_cosine(true.queries[l], true.keys[l], true.values[l],
+                                       mapped.keys[l], mapped.values[l]) / len(ids)
+        for c in points:  # the source cache of a prefix is a crop of the full one (causal attention)
+            logits, _ = target(seq[None, c - 1:c].to(device), cache=mapped.crop(0, c - 1))
+            kls.append(kl(own_logits[:, c - 1], logits[:, -1]))
+    d = {name: [r2_from(s) for s in sums[name]] for name in sums}
+    d["attn_cos"] = cos
     for name in ("r2_k", "r2_v", "attn_cos"):
         d[name + "_mean"] = sum(d[name]) / len(d[name])
     d["kl"] = sum(kls) / len(kls)

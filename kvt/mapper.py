@@ -1,9 +1,9 @@
 """The Mapper: per target layer, a linear map (plus optional MLP) from selected source layers' KV to its KV.
 
-    mapper, report = calibrate(source, target, ids)      # statistics -> layer selection -> ridge
+    mapper, report = calibrate(source, target, calib)    # statistics -> layer selection -> ridge (data.Calibration)
+    mapper = mapper.place(layer_devices(target))         # each target layer's weights where the target keeps it
     tgt_cache = mapper.apply(src_cache)                  # strip source RoPE, map, apply target RoPE
     save_mapper(mapper, "m.safetensors"); load_mapper("m.safetensors", src_cfg, tgt_cfg, tok_fp)
-    mapper = mapper.place(layer_devices(target))         # a target split across devices (model.place)
 
 For target layer t and kind K (or V), with sel = the k selected source layers (layout in capture.py):
     x = source KV of layers sel, RoPE stripped        (G, N, k * Bx)
@@ -13,16 +13,17 @@ out as (B, Hkv, T, D) and, for keys, rotated by the target's RoPE at the target 
 Head scope (G = Hkv): head h from head h of the selected layers. Layer scope (G = 1): every head from
 all heads of the selected layers, which also maps between different KV shapes.
 
-Across devices: place() puts the weights for target layer l on the device of target layer l; apply
-then maps layer l there, moving each source layer's KV at most once to each device that needs it, and
-the mapped cache's layer l lives there, where the target's layer l will read it.
+Placement: place() puts the weights for target layer l on the device of target layer l (one GPU or
+several); apply then maps layer l there, moving each source layer's KV at most once to each device that
+needs it, and the mapped cache's layer l lives there, where the target's layer l will read it. An
+unplaced mapper stays where it was made (the CPU) and every apply would copy its weights over again.
 """
 import json
 import os
 from dataclasses import asdict, dataclass, field
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 import kvt
@@ -31,8 +32,8 @@ from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv
-from kvt.stats import (KINDS, accumulate, candidate_layers, describe_plan, diagnostic_start, held_out, memory_plan,
-                       new_stats)
+from kvt.stats import (KINDS, accumulate, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
+                       new_stats, sums_bytes)
 
 
 @dataclass
@@ -43,8 +44,8 @@ class Mapper:
     layers: dict           # kind -> LongTensor (Lt, k): selected source layers per target layer, ascending
     W: dict                # kind -> (Lt, G, k*Bx, By); after place(), a list of Lt tensors (G, k*Bx, By)
     b: dict                # kind -> (Lt, G, By); after place(), a list of Lt tensors (G, By)
-    mlp: dict = field(default_factory=dict)  # kind -> {w1 (Lt, k*Hkv*D, Hd), b1 (Lt, Hd), w2 (Lt, Hd, O), b2 (Lt, O)}
-    mlp_mode: str = ""     # "" ridge only; "residual" ridge + MLP; "replace" MLP only
+    mlp: dict = field(default_factory=dict)  # kind -> {w0 (Lt, k*Hkv*D, H1), b0 (Lt, H1), ..., w_last (Lt, H, O), ...}
+    mlp_mode: str = ""     # "" ridge only; "replace" MLP only (the paper's); "residual" ridge + MLP (kvt's option)
     meta: dict = field(default_factory=dict)  # k, lambda, tokenizer fingerprint, diagnostics...
 
     @torch.no_grad()
@@ -132,10 +133,14 @@ class Mapper:
             return x if not x.is_floating_point() else [x[l].to(d) for l, d in enumerate(devices)]
         return self.to()._with(split)
 
+    @property
+    def placed(self):
+        return isinstance(self.W["k"], list)
+
     def devices(self, default="cpu"):
         """The device of each target layer's weights: a list once placed, else [default] * Lt."""
         W = self.W["k"]
-        return [w.device for w in W] if isinstance(W, list) else [torch.device(default)] * self.tgt_cfg.n_layers
+        return [w.device for w in W] if self.placed else [torch.device(default)] * self.tgt_cfg.n_layers
 
     def _with(self, fn):
         """A copy with fn applied to every tensor (selections, weights, MLP weights)."""
@@ -172,51 +177,87 @@ def unflat(y, G):
 
 # ---- calibration -------------------------------------------------------------------------------------
 
-def calibrate(source, target, ids, scope="head", k=8, lam=0.01, lams=None, batch_size=1, checkpoint=None,
-              stats_device=None, tokenizer="", progress=True, products=torch.float64, stats_dtype=torch.float64,
-              candidates=None):
-    """Fit a ridge Mapper from source to target on calibration ids (n, T), the last 10% held out.
+def target_groups(selected, bx, by, bound):
+    """Target layers split into consecutive groups, each the statistics of one layer-scope pass: a group
+    grows while its union of selected source layers (both kinds) and its outputs need no more memory
+    than `bound` = (source layers, target layers) can (stats.layer_group_bound), so no pass exceeds
+    what the plan counted, and most hold more target layers than the bound's."""
+    n_tgt = selected["k"].shape[0]
+    if bound[1] >= n_tgt:
+        return [list(range(n_tgt))]
+    budget = sums_bytes(1, bound[0] * bx, bound[1] * by)
+    out, union = [], set()
+    for t in range(n_tgt):
+        mine = set(selected["k"][t].tolist()) | set(selected["v"][t].tolist())
+        if out and sums_bytes(1, len(union | mine) * bx, (len(out[-1]) + 1) * by) <= budget:
+            out[-1].append(t)
+            union |= mine
+        else:
+            out.append([t])
+            union = mine
+    return out
+
+
+def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, checkpoint=None, key="",
+              stats_device=None, tokenizer="", progress=True, products=torch.float32, stats_dtype=torch.float64,
+              candidates=None, group=None):
+    """Fit a ridge Mapper from source to target on a data.Calibration (fit and validation regions).
 
     1. statistics over the candidate source layers (head-level when the pair has matched KV);
-    2. per target layer and kind, the k candidates with the best held-out single-layer R^2;
-    3. layer scope on a matched pair: a second pass accumulating only the union of the selected layers;
-    4. ridge per target layer at `lam` (or the best of the sweep `lams` on held-out R^2).
-    checkpoint: a path prefix; each pass's statistics are saved there and resumed from.
-    products: dtype of the per-batch statistics products (float64, or float32 for speed; see stats.py).
-    stats_dtype: dtype of the sums (float32 halves their memory); candidates: how many source layers,
-    spread evenly, to select from (default all; fewer make smaller statistics). Data parallel under
-    torchrun: every rank calls this with the same ids and gets the same mapper (see stats.accumulate).
-    Returns (mapper, report): report["r2_single"][kind] (C, Lt) held-out R^2 of single-layer fits of the
-    C candidates, report["r2"][kind] (Lt,) of the final fits, report["lambda"], report["sweep"]."""
+    2. per target layer and kind, the k candidates with the best validation single-layer R^2;
+    3. layer scope on a matched pair: layer-level passes accumulating only the selected layers, one per
+       group of target layers (target_groups; `group` bounds a pass's memory, see plan.py);
+    4. ridge per target layer and kind at `lam`, or (lam=None) at the lambda of ridge.LAMBDAS with the
+       best validation R^2.
+    checkpoint: a path prefix; each pass's statistics are saved there and resumed from, refused if made
+    for another `key` (run.py passes the pair's fingerprints and settings).
+    products: dtype of the per-batch statistics products; stats_dtype: dtype of the sums (float32 halves
+    their memory); candidates: how many source layers, spread evenly, to select from (default all).
+    Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
+    Returns (mapper, report): report["r2_single"][kind] (C, Lt) validation R^2 of single-layer fits of the
+    C candidates, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the final fits."""
     src_cfg, tgt_cfg = source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
     matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
     device = stats_device or next(source.parameters()).device
+    lams = ridge.LAMBDAS if lam is None else (lam,)
+    k = min(k, len(candidate_layers(src_cfg.n_layers, candidates)))
     if progress and dist.rank() == 0:
-        plan = memory_plan(src_cfg, tgt_cfg, scope, k, ids.shape[1] * batch_size, candidates, stats_dtype)
+        plan = memory_plan(src_cfg, tgt_cfg, scope, k, calib.fit.shape[1] * batch_size, candidates, stats_dtype, group)
         print(f"calibration memory plan ({scope} scope, k={k}):\n{describe_plan(plan)}")
-    stats = new_stats(src_cfg, tgt_cfg, "head" if matched else "layer",
-                      candidate_layers(src_cfg.n_layers, candidates), device, stats_dtype)
-    stats = accumulate(source, target, ids, stats, batch_size, checkpoint and f"{checkpoint}.pass1",
-                       progress=progress, products=products)
-    r2_single = {kind: ridge.single_layer_r2(stats, kind, lam) for kind in KINDS}
+
+    def run_pass(name, scope_, src_layers=None, tgt_layers=None):
+        stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device, stats_dtype, key)
+        return accumulate(source, target, calib, stats, batch_size, checkpoint and f"{checkpoint}.{name}",
+                          progress=progress, products=products)
+
+    stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, candidates))
+    r2_single = {kind: ridge.single_layer_r2(stats, kind, lams) for kind in KINDS}
     selected = {kind: ridge.select_layers(r2_single[kind], stats.src_layers, k) for kind in KINDS}
+    fits = {kind: {} for kind in KINDS}
     if scope == "layer" and matched:
-        union = sorted(set(torch.cat([selected[kind].flatten() for kind in KINDS]).tolist()))
-        del stats                                      # free the first pass before the second allocates
-        stats = new_stats(src_cfg, tgt_cfg, "layer", union, device, stats_dtype)
-        stats = accumulate(source, target, ids, stats, batch_size, checkpoint and f"{checkpoint}.pass2",
-                           progress=progress, products=products)
-    scores = {}
-    if lams:
-        lam, scores = ridge.sweep(stats, selected, lams)
-    fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lam) for kind in KINDS}
-    meta = {"k": min(k, len(r2_single["k"])), "lambda": lam, "tokenizer": tokenizer,
-            "calib_sequences": len(ids), "calib_len": ids.shape[1],
-            "r2": {kind: fits[kind][2].tolist() for kind in KINDS}}
-    mapper = Mapper(scope, src_cfg, tgt_cfg, selected, {kind: fits[kind][0].float().cpu() for kind in KINDS},
-                    {kind: fits[kind][1].float().cpu() for kind in KINDS}, meta=meta)
-    report = {"r2_single": r2_single, "r2": {kind: fits[kind][2] for kind in KINDS}, "lambda": lam, "sweep": scores}
+        del stats                                      # free the first pass before the next allocates
+        G, bx, by = groups(src_cfg, tgt_cfg, "layer")
+        parts = target_groups(selected, bx, by, layer_group_bound(src_cfg, tgt_cfg, k, group, candidates))
+        for i, targets in enumerate(parts):
+            union = sorted({l for kind in KINDS for t in targets for l in selected[kind][t].tolist()})
+            name = "pass2" if len(parts) == 1 else f"pass2-{i + 1}of{len(parts)}"
+            stats = run_pass(name, "layer", union, targets)
+            for kind in KINDS:
+                fits[kind].update(ridge.fit_layers(stats, kind, selected[kind], lams))
+            del stats
+    else:
+        for kind in KINDS:
+            fits[kind] = ridge.fit_layers(stats, kind, selected[kind], lams)
+    layers = range(tgt_cfg.n_layers)
+    W = {kind: torch.stack([fits[kind][t][0] for t in layers]).float().cpu() for kind in KINDS}   # (Lt, G, k*Bx, By)
+    b = {kind: torch.stack([fits[kind][t][1] for t in layers]).float().cpu() for kind in KINDS}   # (Lt, G, By)
+    r2 = {kind: torch.tensor([fits[kind][t][2] for t in layers], dtype=torch.float64) for kind in KINDS}
+    lam_used = {kind: [fits[kind][t][3] for t in layers] for kind in KINDS}
+    meta = {"k": k, "lambda": lam_used, "tokenizer": tokenizer, "calib_sequences": len(calib.fit),
+            "calib_len": calib.fit.shape[1], "calib": calib.hash(), "r2": {kind: r2[kind].tolist() for kind in KINDS}}
+    mapper = Mapper(scope, src_cfg, tgt_cfg, selected, W, b, meta=meta)
+    report = {"r2_single": r2_single, "r2": r2, "lambda": lam_used}
     return mapper, report
 
 
@@ -240,63 +281,78 @@ def sample_features(source, target, ids, max_bytes=2 * 2**30, scope="head", seed
     return {kind: (torch.cat(xs, 1), torch.cat(ys, 1)) for kind, (xs, ys) in parts.items()}
 
 
-def add_mlp(mapper, source, target, ids, residual=True, hidden=1024, max_bytes=2 * 2**30, progress=True,
-            **train_kw):
-    """The MLP backstop on top of (residual=True) or instead of a fitted Mapper; returns a new Mapper.
+MLP_MODES = {"replace": mlp_.PAPER_HIDDEN, "residual": (1024,)}  # mode -> default hidden sizes
 
-    Trains one MLP per target layer and kind (mlp.train; train_kw go there) on a bounded sample of the
-    tokens of ids (n, T). Early stopping uses the first half of calibration's held-out sequences (the last
-    10%), so the second half stays unseen for diagnostics (kvt.handoff.diagnose; see run.py)."""
-    n_fit = len(ids) - held_out(len(ids))
-    stop = max(n_fit + 1, diagnostic_start(len(ids)))           # early stopping: held out, not diagnostics
-    fit = sample_features(source, target, ids[:n_fit], max_bytes, mapper.scope)
-    held = sample_features(source, target, ids[n_fit:stop], max_bytes // 10 + 1, mapper.scope)
+
+def add_mlp(mapper, source, target, calib, mode="replace", hidden=None, max_bytes=2 * 2**30, progress=True,
+            **train_kw):
+    """The MLP backstop on a fitted Mapper (its layer selection); returns a new Mapper.
+
+    mode="replace" (the paper's, `--mapper mlp`): the MLP, two hidden layers of 1,024 units, replaces
+    ridge. mode="residual" (kvt's option, `--mapper ridge+mlp`): one hidden layer of 1,024 units on top
+    of ridge. hidden overrides the sizes. Trains one MLP per target layer and kind (mlp.train; train_kw
+    go there) on a bounded sample of calib.fit's tokens, stopping early on calib.val; calib.diag stays
+    unseen for diagnostics (kvt.handoff.diagnose)."""
+    if mode not in MLP_MODES:
+        raise KvtError(f"MLP mode {mode!r} is not known; use one of {', '.join(MLP_MODES)}")
+    hidden = MLP_MODES[mode] if hidden is None else hidden
+    fit = sample_features(source, target, calib.fit, max_bytes, mapper.scope)
+    val = sample_features(source, target, calib.val, max_bytes // 10 + 1, mapper.scope)
     out = mapper.to()
-    out.mlp_mode, out.mlp = "residual" if residual else "replace", {}
+    out.mlp_mode, out.mlp = mode, {}
     for kind in KINDS:
         params = []
         for l in range(mapper.tgt_cfg.n_layers):
-            p, loss = mlp_.train(*_mlp_data(mapper, kind, l, *fit[kind], residual),
-                                 *_mlp_data(mapper, kind, l, *held[kind], residual), hidden=hidden, **train_kw)
+            p, loss = mlp_.train(*_mlp_data(mapper, kind, l, *fit[kind], mode), *_mlp_data(mapper, kind, l, *val[kind], mode),
+                                 hidden=hidden, **train_kw)
             if progress:
-                print(f"mlp {kind} layer {l}: held-out loss {loss:.4f} (fraction of variance left)")
+                print(f"mlp ({mode}) {kind} layer {l}: validation loss {loss:.4f} (fraction of variance left)")
             params.append(p)
         out.mlp[kind] = {name: torch.stack([p[name] for p in params]).cpu() for name in params[0]}
+    out.meta["mlp_hidden"] = list(hidden) if not isinstance(hidden, int) else [hidden]
     return out
 
 
-def _mlp_data(mapper, kind, l, xs, ys, residual):
+def _mlp_data(mapper, kind, l, xs, ys, mode):
     """MLP inputs (N, k*Hkv*D) and targets (N, Hkv*D) for target layer l from sampled features
     xs (G, N, Ls, Bx) and ys (G, N, Lt, By); residual: targets minus the ridge map's prediction."""
     y = ys[:, :, l]                                                     # (G, N, By)
-    if residual:
+    if mode == "residual":
         y = y - mapper.map_layer(kind, l, list(xs.unbind(2)))
     return flat(xs[:, :, mapper.layers[kind][l]]), y.transpose(0, 1).reshape(y.shape[1], -1)
 
 
 # ---- files ---------------------------------------------------------------------------------------------
 
+FORMAT = "kvt-mapper-2"  # 2: disjoint calibration regions, standardized ridge with per-layer lambda, MLP w0.. names
+
+
 def save_mapper(mapper, path, dtype=torch.float32):
     """Write a mapper as safetensors with its pair's metadata, atomically; dtype=torch.bfloat16 halves it."""
     tensors = {name: (t.to(dtype) if t.is_floating_point() else t).contiguous()
                for name, t in mapper.to("cpu").tensors().items()}
-    meta = {"format": "kvt-mapper", "kvt_version": kvt.__version__, "scope": mapper.scope, "mlp": mapper.mlp_mode,
+    meta = {"format": FORMAT, "kvt_version": kvt.__version__, "scope": mapper.scope, "mlp": mapper.mlp_mode,
             "src_config": json.dumps(asdict(mapper.src_cfg)), "tgt_config": json.dumps(asdict(mapper.tgt_cfg)),
             "src_fingerprint": mapper.src_cfg.fingerprint(), "tgt_fingerprint": mapper.tgt_cfg.fingerprint(),
-            "tokenizer": str(mapper.meta.get("tokenizer", "")), "k": str(mapper.meta.get("k", "")),
-            "lambda": str(mapper.meta.get("lambda", "")), "meta": json.dumps(mapper.meta)}
+            "tokenizer": str(mapper.meta.get("tokenizer", "")), "meta": json.dumps(mapper.meta)}
     save_file(tensors, f"{path}.tmp", metadata=meta)
     os.replace(f"{path}.tmp", path)
 
 
 def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.float32, device="cpu"):
-    """Read a mapper; refuse one fitted for another source, target or tokenizer (fingerprints)."""
+    """Read a mapper; refuse one fitted for another source, target or tokenizer (fingerprints), one
+    written by another version of kvt, and a file that is not a mapper, each with one line."""
     if not os.path.exists(path):
         raise KvtError(f"no mapper at {path}; calibrate one first")
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    if meta.get("format") != "kvt-mapper":
-        raise KvtError(f"{path} is not a kvt mapper file; calibrate one with run.py")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        t = load_file(str(path), device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise KvtError(f"{path} is not a readable mapper file ({str(e).splitlines()[0]}); delete it and calibrate again")
+    if meta.get("format") != FORMAT:
+        raise KvtError(f"{path} is not a kvt mapper of this version (format {meta.get('format', 'unknown')}, "
+                       f"need {FORMAT}); delete it and calibrate again")
     for what, cfg, key in (("source", src_cfg, "src_fingerprint"), ("target", tgt_cfg, "tgt_fingerprint")):
         if cfg is not None and cfg.fingerprint() != meta[key]:
             raise KvtError(f"mapper {path} was fitted for another {what} model (fingerprint {meta[key]}, this "
@@ -304,7 +360,6 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
     if tokenizer and meta["tokenizer"] and tokenizer != meta["tokenizer"]:
         raise KvtError(f"mapper {path} was fitted with another tokenizer ({meta['tokenizer']}, this one "
                        f"{tokenizer}); recalibrate for this pair")
-    t = load_file(str(path), device=str(device))
     t = {name: x.to(dtype) if x.is_floating_point() else x for name, x in t.items()}
     mlp = {kind: {name.split(".")[-1]: x for name, x in t.items() if name.startswith(f"{kind}.mlp.")}
            for kind in KINDS}

@@ -1,36 +1,55 @@
-"""The MLP backstop: a 2-layer MLP (1,024 hidden units by default) per target layer, for when ridge is not enough.
+"""The MLP backstop, one per target layer and kind, for when the ridge map is not enough.
+
+The paper's form (mapper.add_mlp(mode="replace"), `--mapper mlp`): the MLP replaces ridge, with two
+hidden layers of 1,024 units each:  y = W3 gelu(W2 gelu(W1 x + b1) + b2) + b3.
+kvt's own option (mode="residual", `--mapper ridge+mlp`): one hidden layer learning what ridge leaves
+over (targets y - ridge(x)), added to the ridge map.
 
 Inputs are the selected source layers' position-free K (or V), all heads: (N, k * Hkv * D); outputs
 the target layer's, all heads: (N, Hkv_t * D_t). Trained with AdamW on a bounded sample of calibration
-tokens (the caller stores them; see mapper.add_mlp), with early stopping on held-out loss. As a
-residual it learns what the ridge map leaves over (targets y - ridge(x)); otherwise it replaces it.
-Inputs and outputs are standardized while training; the scalings are folded into the weights after,
-so the stored MLP is plain:  y = gelu(x @ w1 + b1) @ w2 + b2.
+tokens (mapper.add_mlp), with early stopping on validation loss. Inputs and outputs are standardized
+while training and the scalings are folded into the first and last layers after, so the stored MLP is
+plain: parameters {"w0", "b0", "w1", "b1", ...}, w_i of shape (in, out).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+PAPER_HIDDEN = (1024, 1024)  # two hidden layers of 1,024 units (the paper's backstop)
+
+
+def n_layers(p):
+    return len([name for name in p if name.startswith("w")])
+
 
 def forward(p, x):
-    """x (N, Fin) -> (N, Fout) with parameters p = {w1 (Fin, Hd), b1 (Hd,), w2 (Hd, Fout), b2 (Fout,)}."""
-    return F.gelu(x @ p["w1"].to(x.dtype) + p["b1"].to(x.dtype)) @ p["w2"].to(x.dtype) + p["b2"].to(x.dtype)
+    """x (N, Fin) -> (N, Fout) through the MLP with parameters p (see the module docstring)."""
+    last = n_layers(p) - 1
+    for i in range(last + 1):
+        x = x @ p[f"w{i}"].to(x.dtype) + p[f"b{i}"].to(x.dtype)
+        if i < last:
+            x = F.gelu(x)
+    return x
 
 
-def train(x_fit, y_fit, x_held, y_held, hidden=1024, lr=1e-3, weight_decay=0.01, batch=256,
+def train(x_fit, y_fit, x_val, y_val, hidden=PAPER_HIDDEN, lr=1e-3, weight_decay=0.01, batch=256,
           max_epochs=100, patience=5, seed=0):
-    """Fit an MLP on (x_fit, y_fit), stopping when held-out MSE stops improving for `patience` epochs.
+    """Fit an MLP with hidden layers of the sizes in `hidden` (an int is one layer) on (x_fit, y_fit),
+    stopping when validation MSE stops improving for `patience` epochs.
 
-    x (N, Fin), y (N, Fout) float32. Returns (params of the best epoch, its held-out MSE in units of
+    x (N, Fin), y (N, Fout) float32. Returns (params of the best epoch, its validation MSE in units of
     the outputs' variance: 1.0 is no better than predicting the mean)."""
+    hidden = (hidden,) if isinstance(hidden, int) else tuple(hidden)
     mx, sx = x_fit.mean(0), x_fit.std(0) + 1e-6                     # (Fin,)
     my, sy = y_fit.mean(0), y_fit.std(0) + 1e-6                     # (Fout,)
     xf, yf = (x_fit - mx) / sx, (y_fit - my) / sy
-    xh, yh = (x_held - mx) / sx, (y_held - my) / sy
+    xv, yv = (x_val - mx) / sx, (y_val - my) / sy
+    sizes = (xf.shape[1],) + hidden + (yf.shape[1],)
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's global RNG
         torch.manual_seed(seed)
-        net = nn.Sequential(nn.Linear(xf.shape[1], hidden), nn.GELU(), nn.Linear(hidden, yf.shape[1])).to(xf.device)
+        layers = [nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
+    net = nn.Sequential(*[m for lin in layers[:-1] for m in (lin, nn.GELU())], layers[-1]).to(xf.device)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
     best, best_state, bad = float("inf"), None, 0
     for _ in range(max_epochs):
@@ -41,15 +60,20 @@ def train(x_fit, y_fit, x_held, y_held, hidden=1024, lr=1e-3, weight_decay=0.01,
                 loss.backward()
                 opt.step()
         with torch.no_grad():
-            held = F.mse_loss(net(xh), yh).item()
-        if held < best - 1e-6:
-            best, bad = held, 0
-            best_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+            val = F.mse_loss(net(xv), yv).item()
+        if val < best - 1e-6:
+            best, bad = val, 0
+            best_state = [(lin.weight.detach().clone(), lin.bias.detach().clone()) for lin in layers]
         else:
             bad += 1
             if bad >= patience:
                 break
-    w1, b1, w2, b2 = (best_state[k] for k in ("0.weight", "0.bias", "2.weight", "2.bias"))
-    # fold the standardization in:  ((x - mx) / sx) W1^T + b1  and  (h W2^T + b2) * sy + my
-    return {"w1": (w1 / sx).T.contiguous(), "b1": b1 - w1 @ (mx / sx),
-            "w2": (w2.T * sy).contiguous(), "b2": b2 * sy + my}, best
+    p = {}
+    for i, (w, b) in enumerate(best_state):
+        p[f"w{i}"], p[f"b{i}"] = w.T.contiguous(), b
+    # fold the standardization in: ((x - mx) / sx) w0 + b0, and (h w_last + b_last) * sy + my
+    p["b0"] = p["b0"] - (mx / sx) @ p["w0"]
+    p["w0"] = (p["w0"] / sx[:, None]).contiguous()
+    last = len(best_state) - 1
+    p[f"w{last}"], p[f"b{last}"] = (p[f"w{last}"] * sy).contiguous(), p[f"b{last}"] * sy + my
+    return p, best

@@ -148,7 +148,8 @@ class Transformer(nn.Module):
             x, q, k, v = block(x, cos.to(d), sin.to(d), t, cache.keys[l], cache.values[l], m)
             keys.append(k)
             values.append(v)
-            qs.append(q)
+            if queries:  # only when asked: every layer's queries held to the end cost as much as the KV
+                qs.append(q)
         x = self.model.norm(x[:, -1:] if last else x).to(self.lm_head.weight.device)
         logits = self.lm_head(x)                                   # (B, T, V)
         return logits, Cache(keys, values, positions, key_mask, qs if queries else None)

@@ -4,8 +4,10 @@
     print(format_plan(p, capacity(p.devices)))
     check_plan(p, capacity(p.devices))   # one-line KvtError saying which option would fit, if it does not
 
-    python -m kvt.plan --pair qwen3-14b:32b --scope layer --gpu h200 --count 2   # without the hardware
-    python -m kvt.plan --pair qwen3-14b:32b --summary                            # H100/H200 x 1, 2, 4, 8
+    p = split_to_fit(p, capacity(p.devices))  # layer scope: statistics in as few passes as fit
+
+    python -m kvt.plan --pair qwen3-14b:32b --gpu h200 --count 1   # without the hardware
+    python -m kvt.plan --pair qwen3-14b:32b --summary              # H100/H200 x 1, 2, 4, 8
 
 Every row is a closed-form count of numbers times bytes per number, on the device where kvt puts it.
 model.place splits n devices by contiguous layers: layer l on devices[l * n // L], the embedding on
@@ -13,18 +15,21 @@ the first, the final norm and lm_head on the last. With C = dim, F = ffn_dim, V 
 
   weights      embedding V*C; per layer C*(2*H*D + 2*Hkv*D) + 3*C*F + 2*C (+ 2*D: Qwen3's q/k norms);
                final norm C; lm_head V*C (one shared tensor when tied and on one device)
-  statistics   per pass 4 * (G*F^2 + G*F*O + G*F + 2*G*O + 1) sums (K, V x fit, held-out; G groups,
-               F features, O outputs; see stats.memory_plan), plus one batch of features in float64,
-               on the statistics' device (the first)
+  statistics   per pass 4 * (G*F^2 + G*F*O + G*F + 2*G*O + 1) sums (K, V x fit, validation; G groups,
+               F features, O outputs; see stats.memory_plan), plus one batch of features, on the
+               statistics' device (the first). Layer scope may split its second pass into several
+               passes over groups of target layers (split_to_fit): more passes over the data, less memory
   KV           2 * N * Hkv * D per layer, with its layer (3x while calibration strips RoPE from keys)
   mapper       2 * G * (k*Bx*By + By) float32 per target layer (K and V), with that layer
   transfer     the source's position-free KV in float32 (2 * N * Hkv * D per source layer) with each
                source layer, and at most one copy of each on every other device that maps target layers
   activations  one layer's forward: N * (3*F + 4*C) in the model dtype, on each device holding layers
 
+  diagnostics  source, target and mapped KV of one calibration-length sequence, and the target's queries
+
 A device needs its weights plus the largest of its phases: calibration pass 1, calibration pass 2
-(one after the other; the first is freed) and transfer (source KV, mapped KV, mapper, working set,
-activations). A check leaves 5% of each device for the CUDA context and allocator slack. Not counted:
+(one after the other; the first is freed), diagnostics and transfer (source KV, mapped KV, mapper,
+working set, activations). A check leaves 5% of each device for the CUDA context and allocator slack. Not counted:
 attention scores when SDPA has no fused kernel (CPU prefill holds B*H*T^2 of them), full-sequence
 logits (kvt asks for the last position's only), and the MLP backstop.
 """
@@ -131,29 +136,34 @@ def working_bytes(src_cfg, tgt_cfg, devices, tokens, dtype=torch.float32):
     return out
 
 
-def plan(src_cfg, tgt_cfg, scope="head", k=8, context=4096, dtype=torch.bfloat16, devices=("cpu",), batch=1,
-         calib_len=1024, calib_batch=1, stats_dtype=torch.float64, candidates=None, calibrate=True):
+def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat16, devices=("cpu",), batch=1,
+         calib_len=1024, calib_batch=1, stats_dtype=torch.float64, candidates=None, calibrate=True, group=None):
     """The memory plan of a run (see the module docstring): calibration (unless calibrate=False, when a
     saved mapper is reused) and transfer of `batch` contexts of `context` tokens, with both models in
-    `dtype` split over `devices` by model.place. Returns a Plan."""
+    `dtype` split over `devices` by model.place. group: layer-scope statistics in passes of at most
+    this many target layers' worth (see split_to_fit). Returns a Plan."""
     options = dict(scope=scope, k=k, context=context, dtype=dtype, devices=list(devices), batch=batch,
                    calib_len=calib_len, calib_batch=calib_batch, stats_dtype=stats_dtype, candidates=candidates,
-                   calibrate=calibrate)
+                   calibrate=calibrate, group=group)
     check_matched_kv(src_cfg, tgt_cfg, scope)
     devices = [canonical(d) for d in devices]
     name = str(dtype).replace("torch.", "")
     rows = [("weights", f"source weights ({name})", weight_bytes(src_cfg, devices, dtype)),
             ("weights", f"target weights ({name})", weight_bytes(tgt_cfg, devices, dtype))]
+    k = min(k, len(candidate_layers(src_cfg.n_layers, candidates)))
     if calibrate:
         n = calib_len * calib_batch
-        passes = memory_plan(src_cfg, tgt_cfg, scope, k, n, candidates, stats_dtype)
+        passes = memory_plan(src_cfg, tgt_cfg, scope, k, n, candidates, stats_dtype, group)
         for i, (what, size) in enumerate(passes, 1):
             phase = f"calibration pass {i}"
             rows.append((phase, f"{what}, {str(stats_dtype).replace('torch.', '')}", {devices[0]: size}))
             kv = [kv_bytes(cfg, devices, n, dtype, copies=3) for cfg in (src_cfg, tgt_cfg)]
             rows.append((phase, f"KV of a calibration batch, {n} tokens", add(*kv)))
             rows.append((phase, "activations, one layer", activation_bytes((src_cfg, tgt_cfg), devices, n, dtype)))
-    k = min(k, len(candidate_layers(src_cfg.n_layers, candidates)))
+        kv = [kv_bytes(cfg, devices, calib_len, dtype, copies=c) for cfg, c in ((src_cfg, 2), (tgt_cfg, 4))]
+        queries = per_layer(tgt_cfg.n_layers, devices, lambda l: calib_len * tgt_cfg.n_heads * tgt_cfg.head_dim * nbytes(dtype))
+        rows.append(("diagnostics", f"source, target and mapped KV, {calib_len} tokens", add(*kv)))
+        rows.append(("diagnostics", "target queries, every layer", queries))
     n = batch * context
     rows += [("transfer", f"source KV, {batch} x {context} tokens", kv_bytes(src_cfg, devices, n, dtype)),
              ("transfer", f"mapped KV, {batch} x {context} tokens", kv_bytes(tgt_cfg, devices, n, dtype)),
@@ -249,11 +259,41 @@ def alternatives(p, cap, most=16):
     return out
 
 
+def calibration_passes(p):
+    """At most how many passes over the calibration data the plan's calibration makes."""
+    o = p.options
+    if not o["calibrate"]:
+        return 0
+    matched = (o["src_cfg"].n_kv_heads, o["src_cfg"].head_dim) == (o["tgt_cfg"].n_kv_heads, o["tgt_cfg"].head_dim)
+    if o["scope"] == "head" or not matched:
+        return 1
+    group = o["group"] or o["tgt_cfg"].n_layers
+    return 1 + -(-o["tgt_cfg"].n_layers // group)
+
+
+def split_to_fit(p, cap):
+    """The plan with layer-scope statistics split into as few passes as fit `cap` (the largest group of
+    target layers per pass whose statistics fit), or p itself when it fits or splitting cannot help."""
+    o = dict(p.options)
+    src_cfg, tgt_cfg = o.pop("src_cfg"), o.pop("tgt_cfg")
+    matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
+    if fits(p, cap) or not (o["calibrate"] and o["scope"] == "layer" and matched):
+        return p
+    for group in range(tgt_cfg.n_layers - 1, 0, -1):
+        q = plan(src_cfg, tgt_cfg, **{**o, "group": group})
+        if fits(q, cap):
+            return q
+    return p
+
+
 def format_plan(p, cap=None, title="source -> target"):
     """The plan as a table: one column per device, GiB; with `cap`, the usable memory and the verdict."""
     o = p.options
-    head = (f"memory plan: {title}, {o['scope']} scope, k={o['k']}, {o['batch']} x {o['context']} tokens" +
-            (f", calibration {o['calib_batch']} x {o['calib_len']} tokens" if o["calibrate"] else ""))
+    k = min(o["k"], len(candidate_layers(o["src_cfg"].n_layers, o["candidates"])))   # the k actually used
+    passes = calibration_passes(p)
+    head = (f"memory plan: {title}, {o['scope']} scope, k={k}, {o['batch']} x {o['context']} tokens" +
+            (f", calibration {o['calib_batch']} x {o['calib_len']} tokens in {passes} pass{'es' * (passes > 1)}"
+             if o["calibrate"] else ""))
     cols = "".join(f"{d:>10}" for d in p.devices)
     lines = [head, f"{'phase':<20} {'what':<56}{cols}   GiB"]
     for phase, what, where in p.rows:
@@ -269,7 +309,8 @@ def format_plan(p, cap=None, title="source -> target"):
 
 def summary(src_cfg, tgt_cfg, counts=(1, 2, 4, 8), gpus=("h100", "h200"), **kw):
     """A markdown table: the most any one device needs (GiB), per scope and statistics dtype (rows) and
-    named GPU x count (columns), marked when it does not fit."""
+    named GPU x count (columns), marked when it does not fit; layer scope split into as few passes over
+    the data as fit (split_to_fit), their number shown when more than one."""
     cols = [(g, n) for g in gpus for n in counts]
     lines = ["| scope | statistics | " + " | ".join(f"{g.upper()} x{n}" for g, n in cols) + " |",
              "|---|---|" + "---|" * len(cols)]
@@ -278,9 +319,11 @@ def summary(src_cfg, tgt_cfg, counts=(1, 2, 4, 8), gpus=("h100", "h200"), **kw):
             cells = []
             for g, n in cols:
                 devices = [f"cuda:{i}" for i in range(n)]
-                p = plan(src_cfg, tgt_cfg, scope=scope, stats_dtype=sd, devices=devices, **kw)
-                worst = max(p.need().values())
-                cells.append(f"{worst / GiB:.0f}" + ("" if fits(p, capacity(devices, g)) else " (no)"))
+                cap = capacity(devices, g)
+                p = split_to_fit(plan(src_cfg, tgt_cfg, scope=scope, stats_dtype=sd, devices=devices, **kw), cap)
+                worst, passes = max(p.need().values()), calibration_passes(p)
+                cells.append(f"{worst / GiB:.0f}" + (f", {passes} passes" if passes > 2 else "")
+                             + ("" if fits(p, cap) else " (no)"))
             lines.append(f"| {scope} | {str(sd).replace('torch.', '')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -288,7 +331,7 @@ def summary(src_cfg, tgt_cfg, counts=(1, 2, 4, 8), gpus=("h100", "h200"), **kw):
 def main():
     ap = argparse.ArgumentParser(description="Print the memory plan of a pair on named GPUs (no hardware needed).")
     ap.add_argument("--pair", default="qwen3-14b:32b")
-    ap.add_argument("--scope", default="head", choices=["head", "layer"])
+    ap.add_argument("--scope", default="layer", choices=["head", "layer"], help="layer: the paper's (default)")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
@@ -309,8 +352,9 @@ def main():
         print(summary(src, tgt, **kw))
         return
     devices = [f"cuda:{i}" for i in range(args.count)]
-    p = plan(src, tgt, scope=args.scope, stats_dtype=getattr(torch, args.stats_dtype), devices=devices, **kw)
     cap = capacity(devices, args.gpu)
+    p = split_to_fit(plan(src, tgt, scope=args.scope, stats_dtype=getattr(torch, args.stats_dtype), devices=devices,
+                          **kw), cap)
     title = f"{args.pair} on {args.count} x {args.gpu.upper()} ({GPUS[args.gpu] / GiB:.1f} GiB each)"
     print(format_plan(p, cap, title))
     try:

@@ -1,17 +1,22 @@
-"""Closed-form ridge regression from sufficient statistics: fit, held-out R^2, layer selection, lambda sweep.
+"""Closed-form ridge regression from sufficient statistics: fit, validation R^2, layer selection, lambda.
 
 Per group, y (O outputs) from x (F features), with a bias by centering (mx = sx/n, my = sy/n):
 
-    C_xx = xx/n - mx mx^T        C_xy = xy/n - mx my^T
-    W = (C_xx + lam * m * I)^-1 C_xy        b = my - mx W        m = mean(diag(C_xx))
+    C_xx = xx/n - mx mx^T       C_xy = xy/n - mx my^T       S = diag(C_xx)^(1/2)  (each feature's std)
+    W = S^-1 (S^-1 C_xx S^-1 + lam I)^-1 S^-1 C_xy          b = my - mx W
 
-So W minimizes  mean over tokens of ||y - x W - b||^2 + lam * m * ||W||^2.  How lambda is scaled:
-by m, the mean variance of the features, which makes lambda scale-free (multiplying all features by c
-leaves every prediction unchanged) and independent of the number of tokens. The default lam = 0.01
-(the paper's value) adds 1% of the average feature variance to the diagonal. One Cholesky
-factorization per fit, batched over groups and shared by all outputs, on the statistics' device.
+That is ridge on standardized features: W minimizes the mean over tokens of ||y - x W - b||^2 plus
+lam * sum_j var(x_j) * ||W_j||^2, so lambda is relative to each feature's own variance. A quiet but
+informative source layer placed beside a loud one keeps its signal (with one lambda for all features,
+scaled by their mean variance, it would be shrunk away), and multiplying any feature by a constant
+leaves every prediction unchanged. Constant features get zero weight.
 
-R^2 on held-out tokens from their sums alone (the augmented [x, 1] form written out), per output j:
+Lambda. The paper's summary gives no lambda, so kvt picks one per target layer and kind on held-out
+validation sums, from LAMBDAS: one eigendecomposition R = Q diag(e) Q^T of the standardized matrix
+serves every lambda,  W(lam) = S^-1 Q diag(1 / (e + lam)) Q^T S^-1 C_xy,  so a grid costs a few
+matrix products, not a factorization each. Batched over groups, on the statistics' device.
+
+R^2 on validation tokens from their sums alone (the augmented [x, 1] form written out), per output j:
 
     SSE_j = syy_j - 2 (W^T xy)_jj - 2 b_j sy_j + (W^T xx W)_jj + 2 b_j (sx W)_j + n b_j^2
     SST_j = syy_j - sy_j^2 / n           R^2 = 1 - sum_j SSE_j / sum_j SST_j
@@ -21,25 +26,38 @@ pooled over the groups and dims of one target layer (the fraction of its varianc
 import torch
 
 from kvt.config import KvtError
-from kvt.stats import KINDS, blocks, check_finite
+from kvt.stats import blocks, check_finite
 
-LAMBDAS = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # the default sweep
+LAMBDAS = tuple(10.0 ** e for e in range(-6, 3))  # 1e-6 .. 100: the grid each target layer picks from
+
+
+def eigen(s):
+    """The fit of Sums s, ready for any lambda: (e (G, F), Q (G, F, F), A = Q^T S^-1 C_xy (G, F, O),
+    1/std (G, F), mx (G, F), my (G, O)); see the module docstring."""
+    mx, my = s.sx / s.n, s.sy / s.n                                  # (G, F), (G, O)
+    cxx = s.gram() / s.n - mx[:, :, None] * mx[:, None, :]           # (G, F, F)
+    cxy = s.xy / s.n - mx[:, :, None] * my[:, None, :]               # (G, F, O)
+    var = cxx.diagonal(dim1=1, dim2=2)                               # (G, F)
+    live = var > 1e-12 * var.amax(-1, keepdim=True).clamp_min(1e-300)
+    inv_std = torch.where(live, var.clamp_min(1e-300).rsqrt(), torch.zeros_like(var))  # constant features: 0
+    R = cxx * inv_std[:, :, None] * inv_std[:, None, :]              # (G, F, F) correlation matrix
+    e, Q = torch.linalg.eigh(R)                                      # R = Q diag(e) Q^T
+    return e, Q, Q.transpose(1, 2) @ (cxy * inv_std[:, :, None]), inv_std, mx, my
+
+
+def weights(eig, lam):
+    """W (G, F, O), b (G, O) at one lambda from eigen()'s output."""
+    e, Q, A, inv_std, mx, my = eig
+    if (e + lam).min() <= 0:
+        raise KvtError(f"ridge system is singular at lambda={lam:g}; use a larger --lam or calibrate on more tokens")
+    W = inv_std[:, :, None] * (Q @ (A / (e + lam)[:, :, None]))     # (G, F, O)
+    b = my - (mx[:, None, :] @ W)[:, 0]                              # (G, O)
+    return W, b
 
 
 def solve(s, lam):
-    """Ridge fit from Sums s: W (G, F, O), b (G, O)."""
-    mx, my = s.sx / s.n, s.sy / s.n                                 # (G, F), (G, O)
-    cxx = s.gram() / s.n - mx[:, :, None] * mx[:, None, :]           # (G, F, F)
-    cxy = s.xy / s.n - mx[:, :, None] * my[:, None, :]               # (G, F, O)
-    m = cxx.diagonal(dim1=1, dim2=2).mean(-1)                        # (G,) mean feature variance
-    eye = torch.eye(cxx.shape[-1], dtype=cxx.dtype, device=cxx.device)
-    chol, info = torch.linalg.cholesky_ex(cxx + (lam * m)[:, None, None] * eye)
-    if info.any():
-        raise KvtError(f"ridge system is singular at lambda={lam:g} ({int(s.n)} tokens for {cxx.shape[-1]} features); "
-                       "raise lambda or calibrate on more tokens")
-    W = torch.cholesky_solve(cxy, chol)                              # (G, F, O)
-    b = my - (mx[:, None, :] @ W)[:, 0]                              # (G, O)
-    return W, b
+    """Ridge fit from Sums s at one lambda: W (G, F, O), b (G, O)."""
+    return weights(eigen(s), lam)
 
 
 def sse(s, W, b):
@@ -54,65 +72,54 @@ def sst(s):
     return s.syy - s.sy * s.sy / s.n
 
 
-def _check_held(stats):
-    if stats.part("k", "held").n < 1:
-        raise KvtError("no held-out calibration tokens; use at least 2 calibration sequences "
-                       "(the last 10% are held out)")
+def _check_val(stats):
+    if stats.part("k", "val").n < 1:
+        raise KvtError("no validation tokens; calibration needs a validation region (data.Calibration.val)")
     check_finite(stats)
 
 
-def single_layer_r2(stats, kind, lam=0.01):
-    """Held-out R^2 of fitting each target layer from each single source layer: (Ls, Lt), rows in
-    stats.src_layers order. One factorization per source layer serves every target layer."""
-    _check_held(stats)
-    fit, held = stats.part(kind, "fit"), stats.part(kind, "held")
-    G, Lt, by = fit.sy.shape[0], stats.n_tgt, stats.by
-    total = sst(held).view(G, Lt, by).sum((0, 2))                    # (Lt,)
+def single_layer_r2(stats, kind, lams=LAMBDAS):
+    """Validation R^2 of fitting each target layer of stats from each single source layer, at the best
+    lambda of `lams` for that pair of layers: (Ls, Lt), rows in stats.src_layers order, columns in
+    stats.tgt_layers order. One eigendecomposition per source layer serves every target layer and lambda."""
+    _check_val(stats)
+    fit, val = stats.part(kind, "fit"), stats.part(kind, "val")
+    G, Lt, by = fit.sy.shape[0], len(stats.tgt_layers), stats.by
+    total = sst(val).view(G, Lt, by).sum((0, 2))                     # (Lt,)
     r2 = torch.empty(len(stats.src_layers), Lt, dtype=torch.float64)
     for i in range(len(stats.src_layers)):
         fi = blocks([i], stats.bx).to(fit.xx.device)
-        W, b = solve(fit.select(fi), lam)                            # (G, Bx, O): all target layers at once
-        err = sse(held.select(fi), W, b).view(G, Lt, by).sum((0, 2))  # (Lt,)
-        r2[i] = (1 - err / total).cpu()
+        eig, v = eigen(fit.select(fi)), val.select(fi)              # all target layers at once
+        err = torch.stack([sse(v, *weights(eig, lam)).view(G, Lt, by).sum((0, 2)) for lam in lams])  # (lams, Lt)
+        r2[i] = (1 - err.amin(0) / total).cpu()
     return r2
 
 
 def select_layers(r2, src_layers, k):
-    """Per target layer, the k source layers with the best held-out R^2, ascending: LongTensor (Lt, k)."""
+    """Per target layer, the k source layers with the best validation R^2, ascending: LongTensor (Lt, k)."""
     top = r2.topk(min(k, r2.shape[0]), dim=0).indices.T                # (Lt, k) rows of r2
     return torch.tensor(src_layers)[top].sort(dim=1).values
 
 
-def fit_layers(stats, kind, selected, lam=0.01):
-    """Fit every target layer from its selected source layers (Lt, k).
+def fit_layers(stats, kind, selected, lams=LAMBDAS):
+    """Fit each target layer of stats.tgt_layers from its selected source layers (selected: (L_tgt, k)
+    source layer numbers for every target layer), at the lambda of `lams` with the best validation R^2.
 
-    Returns W (Lt, G, k*Bx, By), b (Lt, G, By) in float64 and the held-out R^2 per target layer (Lt,)."""
-    _check_held(stats)
-    fit, held = stats.part(kind, "fit"), stats.part(kind, "held")
+    Returns {target layer: (W (G, k*Bx, By), b (G, By), validation R^2, lambda)}, in float64."""
+    _check_val(stats)
+    fit, val = stats.part(kind, "fit"), stats.part(kind, "val")
     where = {l: i for i, l in enumerate(stats.src_layers)}
-    Ws, bs, r2 = [], [], []
-    for t, layers in enumerate(selected.tolist()):
-        fi = blocks([where[l] for l in layers], stats.bx).to(fit.xx.device)
-        oi = blocks([t], stats.by).to(fit.xx.device)
-        W, b = solve(fit.select(fi, oi), lam)
-        h = held.select(fi, oi)
-        r2.append(1 - sse(h, W, b).sum() / sst(h).sum())
-        Ws.append(W)
-        bs.append(b)
-    return torch.stack(Ws), torch.stack(bs), torch.stack(r2).cpu()
-
-
-def sweep(stats, selected, lams=LAMBDAS):
-    """Pick lambda by mean held-out R^2 over K and V and all target layers: (best lam, {lam: mean R^2}).
-
-    R^2 is what the statistics alone can score, so it is what a sweep can afford; it is not what decides
-    retention (tutorial section 10). Check the chosen lambda with kvt.handoff.diagnose's attention cosine."""
-    score = {}
-    for lam in lams:
-        try:
-            score[lam] = torch.cat([fit_layers(stats, kind, selected[kind], lam)[2] for kind in KINDS]).mean().item()
-        except KvtError:  # singular at this lambda: skip it
-            continue
-    if not score:
-        raise KvtError(f"every lambda in {list(lams)} gives a singular ridge system; calibrate on more tokens")
-    return max(score, key=score.get), score
+    out = {}
+    for j, t in enumerate(stats.tgt_layers):
+        fi = blocks([where[l] for l in selected[t].tolist()], stats.bx).to(fit.xx.device)
+        oi = blocks([j], stats.by).to(fit.xx.device)
+        eig, v = eigen(fit.select(fi, oi)), val.select(fi, oi)
+        best = None
+        for lam in lams:                                          # ties keep the smaller lambda
+            W, b = weights(eig, lam)
+            err = sse(v, W, b).sum().item()
+            if best is None or err < best[0]:
+                best = (err, lam, W, b)
+        err, lam, W, b = best
+        out[t] = (W, b, 1 - err / sst(v).sum().item(), lam)
+    return out

@@ -5,7 +5,7 @@ RoPE rotates each pair of channels (i, i + D/2) of a query or key by the angle p
 position. kvt strips the rotation to fit a position-free map, then re-applies the target's:
 
     apply(x, p) = (x * cos(p) + rotate_half(x) * sin(p)) * scale
-    strip(y, p) = (y * cos(p) - rotate_half(y) * sin(p)) / scale        # rotation by -p
+    strip(y, p) = (y * cos(p) - rotate_half(y) * sin(p)) / scale        # rotation by -p (see strip)
 
 `scale` is YaRN's attention factor, which transformers folds into cos and sin (so into cached keys).
 Three frequency recipes: default (theta ** -2i/D), llama3 (Llama 3.1/3.2 long-context scaling) and
@@ -104,7 +104,12 @@ def apply(x, pos, inv_freq, scale=1.0):
 
 
 def strip(y, pos, inv_freq, scale=1.0):
-    """Undo apply: rotate y (B, H, T, D) back from positions pos, leaving position-free vectors."""
-    cos, sin = cos_sin(pos, inv_freq, 1 / scale, torch.float32)
-    y32 = y.float()                                                    # strip in float32, even for bf16 caches
-    return (y32 * cos - _rotate_half(y32) * sin).to(y.dtype)
+    """Undo apply: rotate y (B, H, T, D) back from positions pos, leaving position-free vectors.
+
+    Each plane of apply is the matrix [[c, -s], [s, c]] (c = scale * cos, s = scale * sin); its inverse
+    is [[c, s], [-s, c]] / (c^2 + s^2), exact whatever the rounding of c and s. Computed in float32 for
+    bf16 caches and in float64 for float64 ones."""
+    work = torch.promote_types(y.dtype, torch.float32)
+    cos, sin = cos_sin(pos, inv_freq, scale, work)
+    yw = y.to(work)
+    return ((yw * cos - _rotate_half(yw) * sin) / (cos * cos + sin * sin)).to(y.dtype)

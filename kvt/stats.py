@@ -1,4 +1,4 @@
-"""Streamed sufficient statistics for the ridge fit, in float64, with checkpoint/resume and a memory plan.
+"""Streamed sufficient statistics for the ridge fit, with checkpoint/resume and a memory plan.
 
 The closed-form fit of y from x (ridge.py) needs only sums over tokens, never the tokens themselves:
 
@@ -6,28 +6,33 @@ The closed-form fit of y from x (ridge.py) needs only sums over tokens, never th
 
 per group g (a KV head in head scope, the whole layer in layer scope; see capture.py). Features x are
 the position-free K (or V) of a list of source layers, concatenated layer by layer (F = layers * Bx);
-outputs y are those of every target layer, concatenated (O = L_tgt * By). Any sub-fit (one source
-layer, or the k selected ones, onto one target layer) reads its blocks out of these sums, so one pass
-over the calibration data serves layer selection and the final fit. Sums are plain tensors: two
-statistics objects add by tensor addition, and a checkpoint is those tensors in a safetensors file, so
-a resumed calibration is bit-identical to an unbroken one.
+outputs y are those of a list of target layers (all of them unless the statistics are split by
+target-layer groups, mapper.calibrate), concatenated (O = layers * By). Any sub-fit (one source layer,
+or the k selected ones, onto one target layer) reads its blocks out of these sums, so one pass over
+the calibration data serves layer selection and the final fit. Sums are plain tensors: two statistics
+objects add by tensor addition, and a checkpoint is those tensors in a safetensors file, so a resumed
+calibration is bit-identical to an unbroken one.
+
+Precision. Each batch is centered on its own mean before its products are taken, and the mean's share
+is added back exactly in the sums' dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T + s m^T  (xc =
+x - m, s = sum xc). The big products then run in float32 (fast) on numbers of the size of the
+features' spread, not of their mean, so features with a large mean lose nothing; the sums are float64.
+products=float64 and float32 sums (dtype=torch.float32, half the memory) are options.
+
+Two splits: "fit" (calibration's fit region) and "val" (its validation region, data.Calibration),
+kept as separate sums; layer selection and lambda are chosen on "val". Diagnostics use a third region
+that never reaches the statistics.
 
 Data parallel (torchrun, dist.py): each rank streams its share of the batches into its own sums, and
-the ranks' sums are added with all_reduce at every checkpoint and at the end. The sums live in float64
-by default; float32 statistics (dtype=torch.float32) halve their memory, and every sub-fit still reads
-its blocks as float64 (Sums.select), so only the accumulation itself is in float32.
-
-A held-out split (the last tenth of the calibration sequences) is kept as separate sums; layer
-selection, lambda and the diagnostics use it.
+the ranks' sums are added with all_reduce at every checkpoint and at the end.
 """
-import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -36,9 +41,10 @@ from kvt.capture import capture, features
 from kvt.config import KvtError, check_matched_kv
 
 KINDS = ("k", "v")
-SPLITS = ("fit", "held")
+SPLITS = ("fit", "val")
 FIELDS = ("xx", "xy", "sx", "sy", "syy", "n")
-CHUNK = 512  # features per row chunk of the upper part of xx
+CHUNK = 512        # features per row chunk of the upper part of xx
+FORMAT = "kvt-stats-2"  # 2: fit/val regions of disjoint documents, target-layer lists, centered products
 
 
 @dataclass
@@ -59,19 +65,25 @@ class Sums:
         shapes = [(G, F, F), (G, F, O), (G, F), (G, O), (G, O), ()]
         return Sums(*(torch.zeros(s, dtype=dtype, device=device) for s in shapes))
 
-    def add_(self, x, y, products=torch.float64):
-        """Add tokens x (G, N, F) and y (G, N, O). The two big products are computed in `products`
-        (float64; or float32, faster on some hardware, with ~1e-7 relative error per batch) and summed
-        into the sums' dtype (float64 unless made with dtype=torch.float32), as is everything else."""
-        xt, yp = x.to(products).transpose(1, 2), y.to(products)          # (G, F, N), (G, N, O)
-        for i in range(0, x.shape[2], CHUNK):                             # rows i:i+CHUNK, columns i:
-            self._addmm(self.xx[:, i:i + CHUNK, i:], xt[:, i:i + CHUNK], xt[:, i:].transpose(1, 2))
-        self._addmm(self.xy, xt, yp)                                      # (G, F, N) @ (G, N, O)
-        x, y = x.to(self.sx.dtype), y.to(self.sy.dtype)
-        self.sx += x.sum(1)
-        self.sy += y.sum(1)
-        self.syy += (y * y).sum(1)
-        self.n += x.shape[1]
+    def add_(self, x, y, products=torch.float32):
+        """Add tokens x (G, N, F) and y (G, N, O), centered on their batch mean (see the module
+        docstring); the two big products are computed in `products`, the rest in the sums' dtype."""
+        N, dt = x.shape[1], self.sx.dtype
+        mx, my = x.mean(1, keepdim=True), y.mean(1, keepdim=True)          # (G, 1, F), (G, 1, O): the shifts
+        xc, yc = x.to(products) - mx.to(products), y.to(products) - my.to(products)
+        xt = xc.transpose(1, 2)                                            # (G, F, N)
+        for i in range(0, x.shape[2], CHUNK):                              # rows i:i+CHUNK, columns i:
+            self._addmm(self.xx[:, i:i + CHUNK, i:], xt[:, i:i + CHUNK], xc[:, :, i:])
+        self._addmm(self.xy, xt, yc)                                       # (G, F, N) @ (G, N, O)
+        mx, my = mx.to(dt), my.to(dt)                                      # the shifts' share, added back:
+        sxc, syc = xc.sum(1, keepdim=True, dtype=dt), yc.sum(1, keepdim=True, dtype=dt)   # (G, 1, F), (G, 1, O)
+        ux, uy = N * mx + sxc, N * my + syc                                # = sum x, sum y
+        self.xx.baddbmm_(mx.transpose(1, 2), ux).baddbmm_(sxc.transpose(1, 2), mx)  # + n m m^T + m s^T + s m^T
+        self.xy.baddbmm_(mx.transpose(1, 2), uy).baddbmm_(sxc.transpose(1, 2), my)
+        self.sx += ux[:, 0]
+        self.sy += uy[:, 0]
+        self.syy += (yc.to(dt) ** 2).sum(1) + (2 * syc + N * my)[:, 0] * my[:, 0]   # sum (yc + m)^2
+        self.n += N
         return self
 
     @staticmethod
@@ -108,32 +120,40 @@ def blocks(idx, size):
 
 @dataclass
 class Stats:
-    """Everything calibration accumulates: Sums for K and V, fit and held-out splits, and what they cover."""
+    """Everything calibration accumulates: Sums for K and V, fit and validation splits, and what they cover."""
     scope: str            # "head" or "layer"
     src_layers: list      # source layers whose KV make up the features, in feature order
-    n_tgt: int            # target layers; all of them are outputs
+    tgt_layers: list      # target layers whose KV make up the outputs, in output order
     bx: int               # features per source layer per group: D (head scope) or Hkv*D (layer scope)
     by: int               # outputs per target layer per group
-    sums: dict            # "k.fit", "k.held", "v.fit", "v.held" -> Sums
-    seen: int = 0         # calibration sequences accumulated so far (the resume point)
-    data: str = ""        # hash of the calibration ids these sums are over
+    sums: dict            # "k.fit", "k.val", "v.fit", "v.val" -> Sums
+    seen: int = 0         # calibration sequences accumulated so far, fit then validation (the resume point)
+    data: str = ""        # data.Calibration.hash() of the sequences these sums are over
+    key: str = ""         # what the caller made them for (pair, settings); a checkpoint must match it
+    meta: dict = field(default_factory=dict)
 
     def __add__(self, other):
-        return Stats(self.scope, self.src_layers, self.n_tgt, self.bx, self.by,
+        return Stats(self.scope, self.src_layers, self.tgt_layers, self.bx, self.by,
                      {name: s + other.sums[name] for name, s in self.sums.items()},
-                     self.seen + other.seen, self.data)
+                     self.seen + other.seen, self.data, self.key)
 
     def part(self, kind, split):
         return self.sums[f"{kind}.{split}"]
 
+    def plan(self):
+        """What the sums cover (a checkpoint for another plan is refused)."""
+        return {"scope": self.scope, "src_layers": list(self.src_layers), "tgt_layers": list(self.tgt_layers),
+                "bx": self.bx, "by": self.by}
 
-def new_stats(src_cfg, tgt_cfg, scope, src_layers=None, device=None, dtype=torch.float64):
-    """Zero statistics for a pair; src_layers defaults to every source layer (the selection pass)."""
+
+def new_stats(src_cfg, tgt_cfg, scope, src_layers=None, tgt_layers=None, device=None, dtype=torch.float64, key=""):
+    """Zero statistics for a pair; src_layers and tgt_layers default to every layer of each model."""
     src_layers = list(range(src_cfg.n_layers)) if src_layers is None else sorted(src_layers)
+    tgt_layers = list(range(tgt_cfg.n_layers)) if tgt_layers is None else sorted(tgt_layers)
     G, bx, by = groups(src_cfg, tgt_cfg, scope)
-    F, O = len(src_layers) * bx, tgt_cfg.n_layers * by
+    F, O = len(src_layers) * bx, len(tgt_layers) * by
     sums = {f"{k}.{s}": Sums.zeros(G, F, O, device, dtype) for k in KINDS for s in SPLITS}
-    return Stats(scope, src_layers, tgt_cfg.n_layers, bx, by, sums)
+    return Stats(scope, src_layers, tgt_layers, bx, by, sums, key=key)
 
 
 def candidate_layers(n_layers, count=None):
@@ -149,70 +169,56 @@ def candidate_layers(n_layers, count=None):
 def groups(src_cfg, tgt_cfg, scope):
     """(G, Bx, By) of a scope; head scope needs matched KV heads and head dim."""
     if scope == "head":
+        check_matched_kv(src_cfg, tgt_cfg, scope)
         return src_cfg.n_kv_heads, src_cfg.head_dim, tgt_cfg.head_dim
     if scope == "layer":
         return 1, src_cfg.n_kv_heads * src_cfg.head_dim, tgt_cfg.n_kv_heads * tgt_cfg.head_dim
     raise KvtError(f"scope {scope!r} is not known; use 'head' or 'layer'")
 
 
-def add_batch(stats, split, src_kv, tgt_kv, products=torch.float64):
+def add_batch(stats, split, src_kv, tgt_kv, products=torch.float32):
     """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split.
     Layers of models split across devices (model.place) are brought to the statistics' device."""
     device = stats.part("k", split).xx.device
     for i, kind in enumerate(KINDS):
         x = features([src_kv[i][l].to(device) for l in stats.src_layers], stats.scope)  # (G, N, Ls, Bx)
-        y = features([t.to(device) for t in tgt_kv[i]], stats.scope)                    # (G, N, Lt, By)
+        y = features([tgt_kv[i][l].to(device) for l in stats.tgt_layers], stats.scope)  # (G, N, Lt, By)
         stats.part(kind, split).add_(x.flatten(2), y.flatten(2), products)  # (G, N, F), (G, N, O)
 
 
-def held_out(n, fraction=0.1):
-    """Number of held-out sequences (the last ones) out of n: at least 1 when n > 1."""
-    return 0 if n < 2 else max(1, round(n * fraction))
+def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, progress=True,
+               products=torch.float32):
+    """Stream every not-yet-seen sequence of calib.fit, then of calib.val, through both models into
+    stats (in place); calib is a data.Calibration. With `path`, the statistics are saved there every
+    `every` rounds and at the end, and a run that finds a checkpoint resumes from it (one made for other
+    data, another plan or another key is refused). products: the dtype of the per-batch products.
 
-
-def diagnostic_start(n):
-    """Index of the first of n sequences kept for diagnostics: the second half of the held-out split
-    (the first half is left to MLP early stopping, mapper.add_mlp), at least the last sequence."""
-    return n - max(1, held_out(n) // 2)
-
-
-def data_hash(ids):
-    return hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
-
-
-def accumulate(source, target, ids, stats, batch_size=1, path=None, every=20, progress=True,
-               products=torch.float64):
-    """Stream every not-yet-seen sequence of ids (n, T) through both models into stats (in place).
-
-    The last held_out(n) sequences go to the held-out split. With `path`, the statistics are saved
-    there every `every` rounds and at the end, and a run that finds a checkpoint resumes from it.
-    products: the dtype of the per-batch products (see Sums.add_).
-
-    Data parallel under torchrun (dist.py; every rank calls this with the same ids and stats): the
+    Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the
     batches are dealt out in rounds, one batch per rank, and the ranks' sums are all-reduced at every
-    checkpoint and at the end, so every rank returns the statistics over all of ids, equal to one
+    checkpoint and at the end, so every rank returns the statistics over all the sequences, equal to one
     process's up to the order of summation. The invariant: the ranks' sums add up to the statistics
     of the first stats.seen sequences (what stats held on entry counts once, on rank 0). A checkpoint
     holds those totals and a resume point between rounds, so it resumes with any number of ranks.
     Returns stats."""
     if path and Path(path).exists():
         load_stats(path, like=stats)                    # into stats' own tensors: no second copy
-    stats.data = stats.data or data_hash(ids)
-    if stats.data != data_hash(ids):
-        raise KvtError(f"statistics {path or ''} were accumulated over other calibration ids; delete the file "
-                       "or use the same corpus, --calib-n, --calib-len and seed")
+    stats.data = stats.data or calib.hash()
+    if stats.data != calib.hash():
+        raise KvtError(f"statistics {path or ''} were accumulated over other calibration sequences; delete the "
+                       "file or use the same corpus, --calib-seqs, --calib-len and seed")
     if dist.rank() > 0:
         zero_(stats)
-    n, n_fit = len(ids), len(ids) - held_out(len(ids))
+    ids = torch.cat([calib.fit, calib.val])
+    n, n_fit = len(ids), len(calib.fit)
     starts = [*range(0, n_fit, batch_size), *range(n_fit, n, batch_size)]  # batches never straddle splits
     todo = [(s, min(s + batch_size, n_fit if s < n_fit else n)) for s in starts if s >= stats.seen]
     rounds = [todo[i:i + dist.world()] for i in range(0, len(todo), dist.world())]
     devices = [next(m.parameters()).device for m in (source, target)]      # where each model's input goes
-    desc = f"calibration stats ({stats.scope})"
+    desc = f"calibration stats ({stats.scope}, {len(stats.src_layers)} source x {len(stats.tgt_layers)} target layers)"
     for i, batches in enumerate(tqdm(rounds, desc=desc, disable=not progress or dist.rank() > 0)):
         for s, e in dist.shard(batches):                                     # this rank's batch, if any
             src, tgt = (capture(m, ids[s:e].to(d)) for m, d in zip((source, target), devices))
-            add_batch(stats, "fit" if s < n_fit else "held", src, tgt, products)
+            add_batch(stats, "fit" if s < n_fit else "val", src, tgt, products)
         stats.seen = batches[-1][1]
         if path and ((i + 1) % every == 0 or stats.seen == n):
             all_reduce_(stats)
@@ -220,7 +226,7 @@ def accumulate(source, target, ids, stats, batch_size=1, path=None, every=20, pr
                 save_stats(stats, path)
             else:
                 zero_(stats)                              # the totals count once: on rank 0
-    return all_reduce_(stats)                             # every rank: the sums over all of ids
+    return all_reduce_(stats)                             # every rank: the sums over all the sequences
 
 
 def all_reduce_(stats):
@@ -241,32 +247,43 @@ def save_stats(stats, path):
     """Write stats to a safetensors file atomically (tmp file, then rename)."""
     check_finite(stats)
     tensors = {f"{name}.{f}": getattr(s, f).contiguous() for name, s in stats.sums.items() for f in FIELDS}
-    meta = {"scope": stats.scope, "src_layers": json.dumps(stats.src_layers), "n_tgt": str(stats.n_tgt),
-            "bx": str(stats.bx), "by": str(stats.by), "seen": str(stats.seen), "data": stats.data}
+    meta = {"format": FORMAT, "plan": json.dumps(stats.plan()), "seen": str(stats.seen), "data": stats.data,
+            "key": stats.key}
     save_file(tensors, str(path) + ".tmp", metadata=meta)
     os.replace(str(path) + ".tmp", path)
 
 
 def load_stats(path, like=None, device=None):
-    """Read stats saved by save_stats. With `like`, refuse a file that covers something else, and read
-    the sums into like's own tensors (one tensor at a time, so memory never holds two copies); returns like."""
+    """Read stats saved by save_stats. With `like`, refuse a file that covers something else (another
+    plan, key or format), and read the sums into like's own tensors (one tensor at a time, so memory
+    never holds two copies); returns like."""
     names = [f"{k}.{s}" for k in KINDS for s in SPLITS]
-    with safe_open(str(path), "pt", device=str(device or "cpu")) as f:
-        meta = f.metadata()
-        plan = (meta["scope"], json.loads(meta["src_layers"]), int(meta["n_tgt"]), int(meta["bx"]), int(meta["by"]))
+    try:
+        f = safe_open(str(path), "pt", device=str(device or "cpu"))
+    except (SafetensorError, OSError) as e:
+        raise KvtError(f"statistics checkpoint {path} is unreadable ({str(e).splitlines()[0]}); delete it to "
+                       "recalibrate from the start")
+    with f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise KvtError(f"{path} is not a kvt statistics checkpoint of this version (format "
+                           f"{meta.get('format', 'unknown')}, need {FORMAT}); delete it to recalibrate")
+        plan = json.loads(meta["plan"])
         if like is None:
             sums = {name: Sums(*(f.get_tensor(f"{name}.{fld}") for fld in FIELDS)) for name in names}
-            stats = Stats(*plan, sums)
+            stats = Stats(plan["scope"], plan["src_layers"], plan["tgt_layers"], plan["bx"], plan["by"], sums)
         else:
-            want = (like.scope, like.src_layers, like.n_tgt, like.bx, like.by)
-            if plan != want:
-                raise KvtError(f"statistics file {path} is for another calibration plan {plan}, not {want}; "
-                               "delete it to start over")
+            if meta["key"] != like.key:
+                raise KvtError(f"statistics checkpoint {path} was made for another pair or settings "
+                               f"({meta['key'] or 'no key'}, not {like.key or 'no key'}); delete it to recalibrate")
+            if plan != like.plan():
+                raise KvtError(f"statistics checkpoint {path} is for another calibration plan ({plan}, not "
+                               f"{like.plan()}); delete it to recalibrate")
             for name in names:
                 for fld in FIELDS:
                     getattr(like.sums[name], fld).copy_(f.get_tensor(f"{name}.{fld}"))
             stats = like
-    stats.seen, stats.data = int(meta["seen"]), meta["data"]
+    stats.seen, stats.data, stats.key = int(meta["seen"]), meta["data"], meta["key"]
     check_finite(stats)
     return stats
 
@@ -283,18 +300,32 @@ def check_finite(stats):
 # ---- memory plan -------------------------------------------------------------------------------------
 
 def sums_bytes(G, F, O, itemsize=8):
-    """Bytes of the four Sums (K, V x fit, held) of one Stats (float64: itemsize 8; float32: 4)."""
+    """Bytes of the four Sums (K, V x fit, val) of one Stats (float64: itemsize 8; float32: 4)."""
     return 4 * itemsize * (G * F * F + G * F * O + G * F + 2 * G * O + 1)
 
 
-def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None, dtype=torch.float64):
+def pass_bytes(G, F, O, batch_tokens, itemsize=8):
+    """Sums of one pass, plus one batch of features for K and V (and their centered copies)."""
+    return sums_bytes(G, F, O, itemsize) + 2 * 8 * batch_tokens * G * (F + O)
+
+
+def layer_group_bound(src_cfg, tgt_cfg, k, group, candidates=None):
+    """(source layers, target layers) at most in one layer-scope pass of `group` target layers: the
+    union of their selections has at most min(candidates, k * group) source layers."""
+    C = len(candidate_layers(src_cfg.n_layers, candidates))
+    group = min(group or tgt_cfg.n_layers, tgt_cfg.n_layers)
+    return min(C, k * group), group
+
+
+def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None, dtype=torch.float64, group=None):
     """[(pass, bytes)]: what calibration holds in memory, besides the two models.
 
     Head scope: one pass over the C candidate source layers (all L_src unless `candidates`). Layer scope
-    on a matched-KV pair: a head-level pass to select layers, then a layer-level pass over the union of
-    the selected layers (at most min(C, k * L_tgt) of them; the bound is what is shown). Layer scope on
-    other pairs: one layer-level pass over the C candidates. The passes run one after the other (the
-    first is freed before the second). Each also holds one batch of features in float64."""
+    on a matched-KV pair: a head-level pass to select layers, then layer-level passes, one per group of
+    target layers, each over the union of its selected layers (a group of g target layers: at most
+    min(C, k * g) source layers; `group` = g, default all target layers in one pass; the bound is what
+    is shown). Layer scope on other pairs: one layer-level pass over the C candidates. The passes run one
+    after the other (each is freed before the next). Each also holds one batch of features."""
     check_matched_kv(src_cfg, tgt_cfg, scope)
     C, Lt = len(candidate_layers(src_cfg.n_layers, candidates)), tgt_cfg.n_layers
     matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
@@ -305,15 +336,15 @@ def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None
         rows.append((f"head statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size)))
     if scope == "layer":
         G, bx, by = groups(src_cfg, tgt_cfg, "layer")
-        U = min(C, k * Lt) if matched else C
-        rows.append((f"layer statistics, {U} source layers" + (" (at most)" if matched else ""),
-                     pass_bytes(G, U * bx, Lt * by, batch_tokens, size)))
+        if matched:
+            U, g = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
+            passes = -(-Lt // g)
+            what = (f"layer statistics, {g} target x <= {U} source layers" +
+                    (f" (<= {passes} passes)" if passes > 1 else ""))
+            rows.append((what, pass_bytes(G, U * bx, g * by, batch_tokens, size)))
+        else:
+            rows.append((f"layer statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size)))
     return rows
-
-
-def pass_bytes(G, F, O, batch_tokens, itemsize=8):
-    """Sums of one pass, plus one batch of float64 features for K and V."""
-    return sums_bytes(G, F, O, itemsize) + 2 * 8 * batch_tokens * G * (F + O)
 
 
 def describe_plan(rows):

@@ -2,7 +2,9 @@
 
 The family's BOS handling comes from tokenizer.json itself: its post-processor adds
 <|begin_of_text|> for Llama 3 and nothing for Qwen3, so encode(text) matches what the model was
-trained on. Continuations that follow a context are encoded with special=False.
+trained on. Continuations that follow a context are encoded with special=False. An empty context
+is one token, `prefix_id`: the BOS that tokenizer_config.json names, else EOS (as lm-evaluation-harness);
+it can differ from `bos_id`, what the post-processor adds (SmolLM2 names a BOS but adds none).
 """
 import hashlib
 import json
@@ -24,9 +26,16 @@ class Tokenizer:
         self.bos_id = prefix[0] if prefix else None                 # Llama 3: <|begin_of_text|>; Qwen3: None
         extra = file.with_name("tokenizer_config.json")
         conf = json.loads(extra.read_text()) if extra.exists() else {}
-        eos = conf.get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        self.eos_id = self.tok.token_to_id(eos) if eos else None
+
+        def named(key):  # the id of the token tokenizer_config.json names: "<|im_end|>", {"content": ...} or null
+            token = conf.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            return self.tok.token_to_id(token) if token else None
+        self.eos_id = named("eos_token")
+        # what an empty context is conditioned on, as lm-evaluation-harness's HFLM.prefix_token_id: the
+        # config's BOS if it names one (Llama 3 <|begin_of_text|>, SmolLM2 <|im_start|>), else EOS (Qwen3)
+        bos = named("bos_token")
+        self.prefix_id = bos if bos is not None else self.eos_id
 
     def encode(self, text, special=True):
         """text -> token ids; special=True adds what the family's post-processor adds (Llama 3: BOS)."""

@@ -81,3 +81,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def calib_of(ids, val=2, diag=2):
+    """A data.Calibration of random ids (n, T): the last `diag` rows for diagnostics, the `val` rows before
+    them for validation, the rest to fit (data.calibration_sequences draws these from text)."""
+    from kvt.data import Calibration
+    n = len(ids) - val - diag
+    return Calibration(ids[:n], ids[n:n + val], ids[n + val:])

@@ -1,15 +1,44 @@
-"""bench.py: both ways of timing a pair (both models held, or one at a time) give the same table, and
-the one cache per model it keeps stands for every shorter context."""
+"""bench.py: it times what it says (a handoff, the median after a warm-up), both ways of holding a pair
+time the same things, and the one cache per model it keeps stands for every shorter context."""
+import pytest
 import torch
 
 import kvt
-from kvt.bench import bench, bench_lean, random_mapper, token_ids
+from kvt import bench as B
+from kvt.bench import bench, bench_lean, random_mapper, token_ids, transfer_step
+from kvt.handoff import handoff
 from tests.conftest import tiny_config
 
 SMALL, LARGE = tiny_config(n_layers=2), tiny_config(n_layers=3, dim=96)
 
 
+def test_the_timed_transfer_is_a_handoff():
+    """transfer_step on a crop of the longest context's cache gives the logits and cache of a handoff of
+    the first n tokens. Guards: timing the mapper without the target's last-token step, or mapping a
+    cache of the wrong length."""
+    small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
+    fwd = random_mapper(SMALL, LARGE, k=2)
+    ids = token_ids([12, 24], SMALL.vocab_size, "cpu")
+    _, cache = small(ids[:, :-1])
+    logits, got = transfer_step(large, fwd, cache, ids, 12)
+    want_logits, want = handoff(small, large, fwd, ids[:, :12])
+    assert torch.allclose(logits, want_logits, atol=1e-5) and len(got) == len(want) == 12
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.keys + got.values, want.keys + want.values))
+
+
+def test_median_time_drops_the_warm_up_and_takes_the_median(monkeypatch):
+    """A fake clock: runs take 9 (warm-up), 1, 5 and 3 seconds. Guards: the warm-up counted (median of
+    all four would be 4) or the mean taken (3)."""
+    clock, durations = [0.0], iter([9.0, 1.0, 5.0, 3.0])
+    monkeypatch.setattr(B.time, "perf_counter", lambda: clock[0])
+
+    def run():
+        clock[0] += next(durations)
+    assert B.median_time(run, "cpu", repeats=3) == 3.0
+
+
 def test_bench_and_bench_lean_time_the_same_things():
+    """Guards: bench_lean building more than one model at a time, or timing a model's prefill twice."""
     fwd, back = random_mapper(SMALL, LARGE, k=2), random_mapper(LARGE, SMALL, k=2, seed=1)
     held = bench(kvt.build_model(SMALL), kvt.build_model(LARGE), fwd, back, [16, 32], repeats=1, names=("s", "l"))
     built = []
@@ -22,9 +51,19 @@ def test_bench_and_bench_lean_time_the_same_things():
     assert built == ["s", "l", "s"]  # one model at a time: the small one is rebuilt for the way back
     for rows in (held, lean):
         assert [(r["direction"], r["tokens"]) for r in rows] == [("s -> l", 16), ("l -> s", 16), ("s -> l", 32), ("l -> s", 32)]
-        for r in rows:
-            assert r["transfer_s"] > 0 and abs(r["speedup"] - r["target_prefill_s"] / r["transfer_s"]) < 1e-12
-        assert rows[0]["source_prefill_s"] == rows[1]["target_prefill_s"]  # one prefill per model and length
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_random_mapper_has_the_shape_of_a_fitted_one(scope):
+    """Timing a random mapper stands for timing a fitted one only if it does the same work. Guards: a
+    layer-scope bench timing head-scope matmuls (8x fewer FLOPs)."""
+    from kvt.mapper import calibrate
+    from tests.conftest import calib_of
+    small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
+    fitted, _ = calibrate(small, large, calib_of(torch.randint(0, 128, (10, 16))), scope=scope, k=2, lam=1e-3,
+                          progress=False)
+    rand = random_mapper(SMALL, LARGE, scope, k=2)
+    assert {n: t.shape for n, t in rand.tensors().items()} == {n: t.shape for n, t in fitted.tensors().items()}
 
 
 def test_the_longest_cache_cropped_is_each_shorter_one():

@@ -1,4 +1,4 @@
-"""data.py: seeded calibration sequences from .txt, .jsonl and CodeAlpaca .json; tokenizer checks."""
+"""data.py: seeded calibration sequences in disjoint regions from .txt, .jsonl and CodeAlpaca .json; tokenizer checks."""
 import json
 
 import pytest
@@ -7,7 +7,7 @@ from conftest import SHARED
 
 import kvt
 from kvt.config import KvtError
-from kvt.data import calibration_sequences, check_same_tokenizer
+from kvt.data import calibration_sequences, check_same_tokenizer, read_documents, split_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,18 +23,63 @@ class Chars:
 
 
 def test_sequences_are_seeded_and_start_with_bos(tmp_path):
-    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    for i in range(40):
+        (tmp_path / f"{i:02d}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 20)
     a = calibration_sequences(tmp_path, Chars(), n=5, length=64, seed=1)
-    assert a.shape == (5, 64) and a.dtype == torch.long and (a[:, 0] == 0).all()
-    assert torch.equal(a, calibration_sequences(tmp_path, Chars(), n=5, length=64, seed=1))
-    assert not torch.equal(a, calibration_sequences(tmp_path, Chars(), n=5, length=64, seed=2))
+    assert a.fit.shape == (5, 64) and a.val.shape == a.diag.shape == (2, 64)
+    assert a.fit.dtype == torch.long and (a.fit[:, 0] == 0).all() and (a.diag[:, 0] == 0).all()
+    b = calibration_sequences(tmp_path, Chars(), n=5, length=64, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip((a.fit, a.val, a.diag), (b.fit, b.val, b.diag)))
+    assert a.hash() == b.hash() != calibration_sequences(tmp_path, Chars(), n=5, length=64, seed=2).hash()
+
+
+def test_regions_share_no_document_and_windows_never_overlap(tmp_path):
+    """Every character of the text is unique, so two sequences share a token only if their windows
+    overlap. Guards: windows drawn at random offsets of one joined text (the held-out sequences then
+    repeat fit text, inflating held-out R^2, layer selection, lambda and the gate), and regions that
+    split a document."""
+    docs = ["".join(chr(0x4e00 + 1000 * d + j) for j in range(200)) for d in range(12)]
+    for d, text in enumerate(docs):
+        (tmp_path / f"{d:02d}.txt").write_text(text)
+    class Unicode(Chars):
+        def encode(self, text, special=False):
+            return [ord(c) for c in text]
+    calib = calibration_sequences(tmp_path, Unicode(), n=16, length=100, n_val=4, n_diag=4, seed=3)  # every window
+    newline = ord("\n")                                    # the separator between joined documents
+    regions = {name: [set(row[1:].tolist()) - {newline} for row in getattr(calib, name)]
+               for name in ("fit", "val", "diag")}
+    rows = [r for rs in regions.values() for r in rs]
+    assert all(len(r) >= 97 for r in rows)
+    assert all(not (a & b) for i, a in enumerate(rows) for b in rows[i + 1:]), "two windows overlap"
+    doc_of = lambda tok: (tok - 0x4e00) // 1000  # noqa: E731
+    docs_in = {name: {doc_of(t) for r in rs for t in r} for name, rs in regions.items()}
+    assert not (docs_in["fit"] & docs_in["val"]) and not (docs_in["fit"] & docs_in["diag"])
+    assert not (docs_in["val"] & docs_in["diag"])
+
+
+def test_held_out_text_never_repeats_fit_text_on_wikitext(qwen):
+    """Real text, real tokenizer: no 24-token span of a validation or diagnostics sequence occurs in a
+    fit sequence (the old random-offset draw had 39 of 50 held-out sequences repeat fit text)."""
+    calib = calibration_sequences(CALIB / "wikitext-2", qwen, n=150, length=256, seed=0)
+    spans = {tuple(row[i:i + 24]) for row in calib.fit.tolist() for i in range(len(row) - 23)}
+    shared = [row for row in calib.val.tolist() + calib.diag.tolist()
+              if any(tuple(row[i:i + 24]) in spans for i in range(len(row) - 23))]
+    assert not shared, f"{len(shared)} held-out sequences repeat a 24-token span of the fit sequences"
+
+
+def test_wikitext_articles_and_gutenberg_license_are_split_off():
+    docs = read_documents(CALIB / "wikitext-2" / "test.txt")
+    assert len(docs) > 50 and docs[1].lstrip().startswith("= ") and docs[1].count("\n = ") >= 0
+    book = split_text((CALIB / "gutenberg" / "11-0.txt").read_text(encoding="utf-8"))
+    assert len(book) == 1 and "ALICE" in book[0][:200] and "START OF" not in book[0]
+    assert "Project Gutenberg License" not in book[0] and "END OF" not in book[0]
 
 
 def test_jsonl_and_codealpaca_json(tmp_path):
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": f"document {i} " * 30}) for i in range(20)))
-    assert calibration_sequences(tmp_path / "d.jsonl", Chars(), n=3, length=50).shape == (3, 50)
-    ids = calibration_sequences(CALIB / "codealpaca" / "code_alpaca_2k.json", Chars(), n=3, length=200)
-    assert ids.shape == (3, 200)
+    assert calibration_sequences(tmp_path / "d.jsonl", Chars(), n=3, length=50).fit.shape == (3, 50)
+    calib = calibration_sequences(CALIB / "codealpaca" / "code_alpaca_2k.json", Chars(), n=3, length=200)
+    assert calib.fit.shape == (3, 200)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}))
     with pytest.raises(KvtError, match="'text' field"):
         calibration_sequences(tmp_path / "bad.jsonl", Chars(), n=1, length=4)
@@ -49,6 +94,13 @@ def test_too_short_or_missing_text_is_a_one_line_error(tmp_path):
         assert "\n" not in str(e.value)
 
 
+def test_a_corpus_too_small_says_how_many_windows_it_holds(tmp_path):
+    for i in range(10):
+        (tmp_path / f"{i}.txt").write_text("x" * 1000)
+    with pytest.raises(KvtError, match=r"holds \d+ windows of 100 tokens.*--calib-seqs"):
+        calibration_sequences(tmp_path, Chars(), n=200, length=100)
+
+
 @pytest.fixture(scope="module")
 def qwen():
     return kvt.load_tokenizer(SHARED / "tokenizers" / "qwen3")
@@ -56,7 +108,7 @@ def qwen():
 
 def test_real_tokenizer_on_wikitext(qwen):
     tok = qwen
-    ids = calibration_sequences(CALIB / "wikitext-2", tok, n=4, length=128, seed=0)
+    ids = calibration_sequences(CALIB / "wikitext-2", tok, n=4, length=128, seed=0).fit
     assert ids.shape == (4, 128) and len(tok.decode(ids[0].tolist())) > 200
 
 

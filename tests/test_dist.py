@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import tiny_config
+from conftest import calib_of, tiny_config
 from torch.overrides import TorchFunctionMode
 
 import kvt
@@ -21,7 +21,8 @@ from kvt.stats import FIELDS, accumulate, load_stats, new_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-IDS = torch.randint(0, 128, (16, 24), generator=torch.Generator().manual_seed(0))  # 14 fit + 2 held out: 8 batches of 2
+IDS = calib_of(torch.randint(0, 128, (18, 24), generator=torch.Generator().manual_seed(0)))  # 14 fit + 2 val: 8 batches of 2
+SEEN = len(IDS.fit) + len(IDS.val)
 
 
 def pair():
@@ -107,7 +108,7 @@ def test_two_processes_calibrate_the_same_mapper_as_one(two_processes, tmp_path)
     one, _ = calibrate(src, tgt, IDS, scope="layer", k=2, batch_size=2, checkpoint=tmp_path / "one", progress=False)
     for p in ("pass1", "pass2"):                                       # the statistics of both passes
         a, b = load_stats(two_processes / f"two.{p}"), load_stats(tmp_path / f"one.{p}")
-        assert a.seen == b.seen == len(IDS) and a.src_layers == b.src_layers
+        assert a.seen == b.seen == SEEN and a.src_layers == b.src_layers
         assert max_diff(a, b) < 1e-13, f"{p}: 2 processes vs 1, relative difference {max_diff(a, b):.1e}"
     for rank in (0, 1):                                               # every rank fits the same mapper
         two = load_mapper(two_processes / f"two.rank{rank}.safetensors")
@@ -124,7 +125,7 @@ def test_interrupted_two_process_run_resumes_exactly(two_processes, tmp_path):
     src, tgt = pair()
     assert load_stats(two_processes / "interrupted.safetensors").seen == 8   # 2 rounds of 2 batches of 2
     resumed, whole = (load_stats(two_processes / f"{n}.safetensors") for n in ("resumed", "whole"))
-    assert resumed.seen == whole.seen == len(IDS)
+    assert resumed.seen == whole.seen == SEEN
     assert max_diff(resumed, whole) == 0, "resumed 2-process statistics differ from an unbroken 2-process run"
     one = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, progress=False)
     assert max_diff(resumed, one) < 1e-13, f"2 processes vs 1: relative difference {max_diff(resumed, one):.1e}"
@@ -198,7 +199,8 @@ def test_split_across_two_cpu_devices_gives_the_same_logits_cache_and_statistics
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
     logits, cache = src(ids)
     want_handoff, _ = handoff(src, tgt, mapper, ids)
-    stats = accumulate(src, tgt, IDS[:4], new_stats(src.config, tgt.config, "head"), 2, progress=False)
+    small = calib_of(IDS.fit[:8])
+    stats = accumulate(src, tgt, small, new_stats(src.config, tgt.config, "head"), 2, progress=False)
     for m in (src, tgt):
         place(m, ["cpu", "cpu"])
     placed = mapper.place(layer_devices(tgt))
@@ -209,7 +211,7 @@ def test_split_across_two_cpu_devices_gives_the_same_logits_cache_and_statistics
     assert all(torch.equal(a, b) for a, b in zip(mapped.keys + mapped.values, want.keys + want.values))
     got_handoff, _ = handoff(src, tgt, placed, ids)
     assert torch.equal(got_handoff, want_handoff)
-    split_stats = accumulate(src, tgt, IDS[:4], new_stats(src.config, tgt.config, "head"), 2, progress=False)
+    split_stats = accumulate(src, tgt, small, new_stats(src.config, tgt.config, "head"), 2, progress=False)
     assert max_diff(split_stats, stats) == 0
 
 

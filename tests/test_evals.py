@@ -1,11 +1,13 @@
 """evals.py: cache scoring against a one-pass oracle, metrics on hand-built cases, prompts and
 answer extraction on real data (../shared/data, or $KVT_SHARED/data)."""
 import json
+from collections import Counter
 
 import pytest
 import torch
-from conftest import SHARED, function_preserving_twin, tiny_config
+from conftest import SHARED, SMOLLM2, calib_of, function_preserving_twin, tiny_config
 
+import kvt
 from kvt import evals as E
 from kvt.config import KvtError
 from kvt.mapper import calibrate
@@ -18,6 +20,7 @@ needs_data = pytest.mark.skipif(not DATA.exists(), reason=f"no shared data at {D
 class CharTok:
     """A tokenizer of one id per character (ASCII), enough to drive a tiny random model."""
     eos_id = 3
+    prefix_id = 2  # what an empty context becomes (a real tokenizer's BOS, else EOS): not eos_id here
 
     def encode(self, text, special=True):
         return [ord(c) % 128 for c in text]
@@ -75,9 +78,35 @@ def test_mc_metrics_hand_built():
 
 
 def test_encode_pair_moves_trailing_space():
+    """Bugs: a trailing space left on the context; an empty context made of EOS instead of the harness's
+    prefix token (BOS where the tokenizer names one), for scoring and for generation alike."""
     tok = CharTok()
     assert E.encode_pair(tok, "Answer: ", "B") == (tok.encode("Answer:"), tok.encode(" B"))
-    assert E.encode_pair(tok, "", " end") == ([tok.eos_id], tok.encode(" end"))
+    assert E.encode_pair(tok, "", " end") == ([tok.prefix_id], tok.encode(" end"))
+    model, seen = tiny(), []
+
+    def spy(ids):  # a prefill that notes what it was asked to read
+        seen.append(ids.tolist())
+        return E.Condition(model)(ids)
+    E.generate_until(E.Condition(model, spy), tok, "", until=(), max_new_tokens=1)
+    assert seen == [[[tok.prefix_id]]]
+
+
+@pytest.mark.parametrize("name, prefix, bos_id", [
+    ("qwen3", ("<|im_end|>", 151645), None),              # names no BOS: EOS
+    ("llama3", ("<|begin_of_text|>", 128000), 128000),
+    ("smollm2", ("<|im_start|>", 1), None),               # names a BOS, its post-processor adds none
+])
+def test_prefix_id_is_the_harness_prefix_token(name, prefix, bos_id):
+    """Bug: an empty context made of EOS for every family; lm-evaluation-harness (HFLM.prefix_token_id)
+    uses the BOS that tokenizer_config.json names and EOS only when it names none. bos_id, what the
+    post-processor adds, stays as it was."""
+    path = SMOLLM2 if name == "smollm2" else SHARED / "tokenizers" / name
+    if name == "smollm2" and not (path / "tokenizer_config.json").exists():
+        pytest.skip(f"no SmolLM2 tokenizer at {path}")
+    tok = kvt.load_tokenizer(path)
+    assert (tok.tok.id_to_token(tok.prefix_id), tok.prefix_id) == prefix
+    assert tok.bos_id == bos_id
 
 
 # ------------------------------------------------------------------------------- data and prompts
@@ -105,18 +134,18 @@ def test_hellaswag_preprocess_real_items():
 
 @needs_data
 def test_prompts_follow_the_harness():
-    arc = E.arc(DATA, "arc_easy", limit=1)[0]
+    arc = E.arc(DATA, "arc_easy")[0]
     assert arc.context == ("Question: Which statement best explains why photosynthesis is the foundation of "
                            "most food webs?\nAnswer:")
     assert arc.gold == 0 and arc.floor == "Answer:"
-    m5, m0 = E.mmlu(DATA, limit=1)[0], E.mmlu(DATA, shots=0, limit=1)[0]
+    m5, m0 = E.mmlu(DATA)[0], E.mmlu(DATA, shots=0)[0]
     head = "The following are multiple choice questions (with answers) about abstract algebra.\n\n"
     q = ("Find the degree for the given field extension Q(sqrt(2), sqrt(3), sqrt(18)) over Q.\n"
          "A. 0\nB. 4\nC. 2\nD. 6\nAnswer:")
     assert m0.context == head + q and m0.choices == ["A", "B", "C", "D"] and m0.gold == 1
     assert m5.context.startswith(head + "Find all c in Z_3 such that Z_3[x]/(x^2 + c) is a field.\n")
     assert m5.context.endswith("Find the characteristic of the ring 2Z.\nA. 0\nB. 3\nC. 12\nD. 30\nAnswer: A\n\n" + q) and m5.context.count("Answer:") == 6
-    g = E.gsm8k(DATA, limit=1)[0]
+    g = E.gsm8k(DATA)[0]
     assert g.context.startswith("Q: There are 15 trees in the grove.") and g.context.count("\nA: ") == 8
     assert g.context.endswith("\n\nQ: Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every "
                               "morning and bakes muffins for her friends every day with four. She sells the "
@@ -127,7 +156,7 @@ def test_prompts_follow_the_harness():
 
 @needs_data
 def test_coqa_pieces_make_the_harness_prompt():
-    conv = E.coqa(DATA, limit=1)[0]
+    conv = E.coqa(DATA)[0]
     assert len(conv.questions) == 10 and all(len(a) >= 1 for a in conv.answers)
     pieces = E.coqa_segments(conv)
     for t in (1, 4):  # the harness's doc_to_text for turn t: story, gold history, "Q: q_t\n\nA:"
@@ -145,6 +174,64 @@ def test_missing_file_names_it_and_how_to_get_it(tmp_path):
     assert "to_json" in msg and "../shared/data" in msg
     with pytest.raises(KvtError, match="unknown task"):
         E.load_task("piqa", tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- samples
+
+def assert_proportional(strata, start):
+    """Every prefix of n >= start of `strata` (labels in sampled order) holds each stratum within one
+    item of its exact quota n * (its share of the whole list), so also within one of the rounded quota."""
+    sizes, count = Counter(strata), Counter()
+    for n, s in enumerate(strata, 1):
+        count[s] += 1
+        if n >= start:
+            off = max(abs(count[t] - n * sizes[t] / len(strata)) for t in sizes)
+            assert off < 1, f"the first {n} items hold a stratum {off:.2f} items off its quota"
+
+
+def test_sample_order_hand_built():
+    """Bugs: the file's first rows (one stratum), a plain shuffle (a prefix misses a stratum or drifts
+    from its share), an order the seed does not fix. 6 a, 3 b, 1 c: one of each first, then every
+    prefix within one item of its quota."""
+    strata = ["a"] * 6 + ["b"] * 3 + ["c"]
+    order = E.sample_order(strata, seed=0)
+    assert sorted(order) == list(range(10)) and order == E.sample_order(strata, seed=0)
+    assert order != E.sample_order(strata, seed=1)
+    assert sorted(strata[i] for i in order[:3]) == ["a", "b", "c"]
+    assert_proportional([strata[i] for i in order], start=3)
+
+
+@needs_data
+def test_task_samples_are_stratified_prefixes():
+    """Bugs: the first N rows (MMLU's first 500 items cover 5 of 57 subjects; HellaSwag's are all
+    ActivityNet); a plain shuffle (57 items miss subjects); a sample drawn anew for each limit (a larger
+    --limit would not continue a smaller one, so resuming would change the items); a seed that does
+    nothing. The first round puts MMLU up to 5 items off its quotas at 57; from 100 on, every prefix is
+    within one item of each subject's quota (measured: from 71 on)."""
+    mmlu = E.load_task("mmlu", DATA, shots=0)  # every item, in the sampled order
+    ids = [i.id for i in mmlu]
+    assert [i.id for i in E.load_task("mmlu", DATA, 500, shots=0)] == ids[:500]  # same seed, same prefix
+    assert len({i.stratum for i in mmlu[:57]}) == 57 and len(Counter(i.stratum for i in mmlu)) == 57
+    assert_proportional([i.stratum for i in mmlu], start=100)
+    assert [i.id for i in E.load_task("mmlu", DATA, 500, seed=1, shots=0)] != ids[:500]
+    hellaswag = E.load_task("hellaswag", DATA)
+    assert [i.id for i in E.load_task("hellaswag", DATA, 100)] == [i.id for i in hellaswag[:100]]
+    count = Counter(i.stratum for i in hellaswag[:500])
+    assert abs(count["activitynet"] - 500 * 3243 / 10042) < 1 and abs(count["wikihow"] - 500 * 6799 / 10042) < 1
+    assert_proportional([i.stratum for i in hellaswag], start=2)
+    assert Counter(c.stratum for c in E.load_task("coqa", DATA, 50)) == dict.fromkeys(
+        ["mctest", "race", "cnn", "wikipedia", "gutenberg"], 10)
+
+
+@needs_data
+def test_every_task_has_unique_ids_and_all_its_items():
+    """Bug: HellaSwag's `ind` repeats across its ActivityNet and WikiHow parts (9,609 distinct of 10,042),
+    so records keyed by it would overwrite each other and a resume would skip items never run. Loaders
+    return every item, in file order (load_task samples from them)."""
+    sizes = {"hellaswag": 10042, "arc_easy": 2376, "arc_challenge": 1172, "mmlu": 14042, "gsm8k": 1319, "coqa": 500}
+    for name, (loader, _, _) in E.TASKS.items():
+        items = loader(DATA)
+        assert len({i.id for i in items}) == len(items) == sizes.get(name, 1000), name
 
 
 # --------------------------------------------------------------------------- GSM8K answer extraction
@@ -209,29 +296,40 @@ def test_generate_until_cuts_at_stop_strings():
 
 # ----------------------------------------------------------------------------- records and summary
 
-@needs_data
-def test_evaluate_records_resume_and_identity_transfer():
-    model, tok = tiny(seed=3), CharTok()
-    items = E.arc(DATA, "arc_easy", limit=3)
-    conds = E.conditions(model, transfer=lambda ids: E.Condition(model)(ids))  # an identity "transfer"
-    recs = list(E.evaluate("arc_easy", items, tok, conds, progress=False))
-    assert [(r["idx"], r["condition"]) for r in recs][:3] == [(0, "target"), (0, "floor"), (0, "transfer")]
-    for r in recs:
-        assert set(r) >= {"task", "condition", "idx", "id", "lls", "acc", "acc_norm"}
+def test_resume_skips_by_id_in_any_order():
+    """Bug: records and resume keyed by position. A resumed run may list its items in another order (a
+    new --limit, a new sample): it must skip exactly the (condition, id) pairs already done, however they
+    are placed, and summarize must pair conditions by id. The transfer is another model's cache, so it
+    moves the scores and retention is a ratio that can be computed by hand from the records."""
+    target, other, tok = tiny(seed=3), tiny(seed=5), CharTok()
+    golds = [1, 1, 3, 2, 3, 1, 3, 2]  # chosen so that both conditions get some items right
+    items = [E.Item(f"q{i}", f"Question: is {i} more than {7 - i}?\nAnswer:", g, ["A", "B", "C", "D"],
+                    floor="Answer:") for i, g in enumerate(golds)]
+    conds = E.conditions(target, transfer=E.Condition(other))  # the target answers from the other's cache
+    first = list(E.evaluate("arc_easy", items[:4], tok, conds, progress=False))  # stopped after 4 items,
+    first += E.evaluate("arc_easy", items[4:6], tok, {"target": conds["target"]}, progress=False)  # mid-item
+    for r in first:
+        assert set(r) >= {"task", "condition", "id", "lls", "acc", "acc_norm"}
         json.dumps(r)  # plain data: one jsonl line
-    same = {(r["condition"], r["idx"]): r["lls"] for r in recs}
-    assert all(same[("transfer", i)] == same[("target", i)] for i in range(3))
-    rest = list(E.evaluate("arc_easy", items, tok, conds, done=[("target", 0), ("floor", 1)], progress=False))
-    assert len(rest) == len(recs) - 2 and ("target", 0) not in {(r["condition"], r["idx"]) for r in rest}
-    s = E.summarize(recs, n_boot=50)["arc_easy"]
-    assert s["target"]["n"] == 3 and s["retention"]["acc_norm"]["n"] == 3
-    if s["target"]["acc"] > 0:
-        assert s["retention"]["acc"]["ratio"] == 1.0
+    done = {(r["condition"], r["id"]) for r in first}
+    rest = list(E.evaluate("arc_easy", items[::-1], tok, conds, done=done, progress=False))
+    assert [(r["id"], r["condition"]) for r in rest] == [
+        ("q7", "target"), ("q7", "floor"), ("q7", "transfer"), ("q6", "target"), ("q6", "floor"),
+        ("q6", "transfer"), ("q5", "floor"), ("q5", "transfer"), ("q4", "floor"), ("q4", "transfer")]
+    recs = {(r["condition"], r["id"]): r for r in first + rest}
+    assert len(recs) == 24 and any(recs[("transfer", i.id)]["lls"] != recs[("target", i.id)]["lls"] for i in items)
+    acc = {c: sum(recs[(c, i.id)]["acc"] for i in items) for c in ("target", "transfer")}
+    assert acc["target"] > 0 and acc["transfer"] != acc["target"], acc
+    s = E.summarize(first + rest, n_boot=50)["arc_easy"]
+    assert s["target"]["n"] == s["transfer"]["n"] == s["retention"]["acc"]["n"] == 8
+    assert s["retention"]["acc"]["ratio"] == pytest.approx(acc["transfer"] / acc["target"])
+    assert E.item_ids(first + rest) == {"arc_easy": ["q0", "q1", "q2", "q3", "q4", "q5", "q7", "q6"]}
 
 
 def test_summary_retention_and_intervals():
     def recs(cond, accs):
-        return [{"task": "arc_easy", "condition": cond, "idx": i, "acc": a, "acc_norm": a} for i, a in enumerate(accs)]
+        return [{"task": "arc_easy", "condition": cond, "id": str(i), "acc": a, "acc_norm": a}
+                for i, a in enumerate(accs)]
     records = recs("target", [1, 1, 1, 1, 0, 0, 0, 0]) + recs("transfer", [1, 1, 1, 0, 0, 0, 0, 0]) \
         + recs("floor", [1, 0, 0, 0, 0, 0, 0, 0])
     s = E.summarize(records, n_boot=200)["arc_easy"]
@@ -246,16 +344,85 @@ def test_summary_retention_and_intervals():
     assert E.wilson(0, 60)[0] >= 0.0 and E.wilson(60, 60)[1] <= 1.0               # never past the ends
 
 
+def test_summary_undefined_values_are_none_and_strict_json():
+    """Bugs: summarize raised when transfer and target share no item (a bootstrap over zero items), and a
+    0/0 ratio wrote NaN into results.json, which strict JSON parsers reject."""
+    def rec(task, cond, i, v):
+        return {"task": task, "condition": cond, "id": i, "acc": v, "acc_norm": v}
+    records = [rec("arc_easy", "target", i, 1.0) for i in "ab"] + [rec("arc_easy", "floor", i, 0.0) for i in "abcd"]
+    records += [rec("arc_easy", "transfer", i, 1.0) for i in "cd"]  # no item in common with the target
+    records += [rec("mmlu", c, i, 0.0) for c in ("target", "transfer", "floor") for i in "ab"]  # 0 / 0
+    s = E.summarize(records, n_boot=50)
+    r, m = s["arc_easy"]["retention"]["acc"], s["mmlu"]["retention"]["acc"]
+    assert (r["n"], r["ratio"], r["ratio_ci"]) == (0, None, (None, None))
+    assert (r["floor_normalized"], r["floor_normalized_ci"]) == (None, (None, None))
+    assert (m["n"], m["ratio"], m["ratio_ci"], m["floor_normalized"]) == (2, None, (None, None), None)
+    json.dumps(s, allow_nan=False)
+    avg = E.average_retention(records, n_boot=50)
+    assert avg["tasks"] == [] and set(avg["skipped"]) == {"arc_easy", "mmlu"} and avg["retention"] is None
+    json.dumps(avg, allow_nan=False)
+
+
+def test_average_retention_hand_built():
+    """Bugs: the ratio of mean scores instead of the mean of per-task ratios (0.8 here, not 5/6); a metric
+    other than the task's primary one (arc_easy's acc would give 4); a task whose target scores 0 entering
+    the mean as NaN or inf instead of being named as skipped; an interval without its own estimate."""
+    scores = {  # task -> condition -> {metric: per-item scores}, 8 items each
+        "arc_easy": {"target": {"acc_norm": [1, 1, 1, 0], "acc": [1, 0, 0, 0]},     # primary: acc_norm
+                     "transfer": {"acc_norm": [1, 1, 0, 0], "acc": [1, 1, 1, 1]},
+                     "floor": {"acc_norm": [1, 0, 0, 0], "acc": [0, 0, 0, 0]}},
+        "mmlu": {"target": {"acc": [1, 1, 0, 0]}, "transfer": {"acc": [1, 0, 1, 0]}, "floor": {"acc": [0, 0, 0, 0]}},
+        "gsm8k": {"target": {"em_strict": [0, 0, 0, 0]}, "transfer": {"em_strict": [1, 0, 0, 0]},
+                  "floor": {"em_strict": [0, 0, 0, 0]}},
+    }
+    records = [{"task": t, "condition": c, "id": str(i), **{m: v[i % 4] for m, v in ms.items()}}
+               for t, conds in scores.items() for c, ms in conds.items() for i in range(8)]
+    avg = E.average_retention(records, n_boot=300)
+    assert avg["tasks"] == ["arc_easy", "mmlu"] and list(avg["skipped"]) == ["gsm8k"]
+    assert avg["metric"] == {"arc_easy": "acc_norm", "mmlu": "acc"} and avg["n"] == {"arc_easy": 8, "mmlu": 8}
+    assert avg["retention"] == pytest.approx((0.5 / 0.75 + 0.5 / 0.5) / 2)                       # 5/6
+    assert avg["floor_normalized"] == pytest.approx(((0.5 - 0.25) / (0.75 - 0.25) + 1.0) / 2)    # 3/4
+    assert avg["accuracy"] == pytest.approx({"target": 0.625, "transfer": 0.5, "floor": 0.125})
+    for key in ("retention", "floor_normalized"):
+        lo, hi = avg[key + "_ci"]
+        assert lo <= avg[key] <= hi and lo < hi, (key, lo, hi)
+    for c, (lo, hi) in avg["accuracy_ci"].items():
+        assert lo <= avg["accuracy"][c] <= hi
+    json.dumps(avg, allow_nan=False)
+
+
 def test_squad_f1_and_coqa_agreement():
     assert E.token_f1("the cat sat", "A cat sat down.") == pytest.approx(0.8)   # "cat sat" vs "cat sat down"
     assert E.token_f1("", "") == 1.0 and E.token_f1("yes", "") == 0.0
     # two golds: leave each out in turn, max over the rest, then average (harness compute_scores)
     assert E.coqa_f1(["white", "a white kitten"], "white") == pytest.approx((2 / 3 + 1.0) / 2)
-    records = [{"task": "coqa", "condition": c, "idx": 0, "turns": [2, 3, 4], "answers": a}
+    records = [{"task": "coqa", "condition": c, "id": "s1", "turns": [2, 3, 4], "answers": a}
                for c, a in [("target", ["red", "Tom", "park"]), ("transfer", ["red", "Tom went", "home"])]]
     agree = E.coqa_agreement(records)
     assert agree["turns"] == [2, 3, 4] and agree["f1"] == pytest.approx([100, 200 / 3, 0])
     assert agree["drift_per_turn"] == pytest.approx(-50.0)
+
+
+def test_coqa_exact_match_and_turns_hand_built():
+    """Bugs: EM as a max over every gold (the harness leaves each gold out in turn, as for F1); per-turn
+    means that count a conversation only one condition answered; the gap's sign (target - transfer);
+    drift that is not a least-squares slope over turns."""
+    assert E.coqa_em(["white", "a white kitten"], "White.") == 0.5  # without "white": 0; without the other: 1
+    assert E.coqa_em(["the park"], "Park") == 1.0 and E.coqa_em(["Tom"], "Tom went") == 0.0
+
+    def rec(cond, i, f1, em):
+        return {"task": "coqa", "condition": cond, "id": i, "turns": [2, 3, 4], "f1_turns": f1, "em_turns": em}
+    records = [rec("target", "s1", [1, 1, .5], [1, 1, 0]), rec("target", "s2", [1, .5, .5], [1, 0, 0]),
+               rec("transfer", "s1", [1, .5, 0], [1, 0, 0]), rec("transfer", "s2", [1, .5, .5], [0, 0, 0]),
+               rec("target", "s3", [0, 0, 0], [0, 0, 0])]  # s3: no transfer answers, so out of the comparison
+    c = E.coqa_turns(records)
+    assert c["turns"] == [2, 3, 4] and c["n"] == [2, 2, 2]
+    assert c["f1"] == pytest.approx({"target": [100, 75, 50], "transfer": [100, 50, 25]})
+    assert c["em"] == pytest.approx({"target": [100, 50, 0], "transfer": [50, 0, 0]})
+    assert c["gap"] == pytest.approx([0, 25, 25]) and c["mean_gap"] == pytest.approx(75 - 350 / 6)
+    assert c["mean"]["transfer"] == pytest.approx({"f1": 350 / 6, "em": 100 / 6})
+    assert c["drift"] == pytest.approx({"target": -25, "transfer": -37.5, "gap": 12.5})
+    json.dumps(c, allow_nan=False)
 
 
 def test_exact_pair_transfer_keeps_every_answer():
@@ -263,14 +430,14 @@ def test_exact_pair_transfer_keeps_every_answer():
     and answers exactly as the target's own prefill (retention 1), on MC items and a conversation."""
     source = tiny("qwen3", seed=4)
     target = function_preserving_twin(source, seed=1)
-    ids = torch.randint(0, 128, (12, 24), generator=torch.Generator().manual_seed(0))
-    mapper, _ = calibrate(source, target, ids, k=1, lam=1e-9, progress=False)
+    ids = torch.randint(0, 128, (14, 24), generator=torch.Generator().manual_seed(0))
+    mapper, _ = calibrate(source, target, calib_of(ids), k=1, lam=1e-9, progress=False)
     tok = CharTok()
     conds = E.conditions(target, source, transfer=E.transfer(source, target, mapper))
     items = [E.Item(str(i), f"Question: what is {i} plus {i}?\nAnswer:", i % 3, [str(2 * i), "seven", "no idea"],
                     floor="Answer:") for i in range(4)]
-    recs = {(r["condition"], r["idx"]): r for r in E.evaluate("arc_easy", items, tok, conds, progress=False)}
-    for i in range(4):
+    recs = {(r["condition"], r["id"]): r for r in E.evaluate("arc_easy", items, tok, conds, progress=False)}
+    for i in map(str, range(4)):
         err = max(abs(a - b) for a, b in zip(recs[("transfer", i)]["lls"], recs[("target", i)]["lls"]))
         assert err < 1e-3, f"item {i}: transfer vs target loglikelihood error {err:.2e}"
         assert recs[("transfer", i)]["pred"] == recs[("target", i)]["pred"]

@@ -1,16 +1,16 @@
 """handoff.py: an exact pair and the identity pair hand over without changing the target's predictions."""
 import pytest
 import torch
-from conftest import function_preserving_twin, tiny_config
+from conftest import calib_of, function_preserving_twin, tiny_config
 
 import kvt
-from kvt import ridge
 from kvt.handoff import diagnose, format_diagnostics, gate, handoff, kl
 from kvt.mapper import calibrate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-IDS = torch.randint(0, 128, (12, 24), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, 128, (14, 24), generator=torch.Generator().manual_seed(0))
+CALIB = calib_of(IDS)
 PROMPTS = torch.randint(0, 128, (3, 30), generator=torch.Generator().manual_seed(9))
 
 
@@ -23,7 +23,7 @@ def assert_close(actual, expected, what, atol=1e-4):
 def exact():
     source = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=0)
     target = function_preserving_twin(source, seed=1)
-    mapper, _ = calibrate(source, target, IDS, k=1, lam=1e-9, progress=False)
+    mapper, _ = calibrate(source, target, CALIB, scope="head", k=1, lam=1e-9, progress=False)
     return source, target, mapper
 
 
@@ -47,7 +47,7 @@ def test_exact_pair_diagnostics_and_gate(exact):
 
 def test_identity_pair_keeps_the_next_token_distribution():
     model = kvt.build_model(tiny_config("llama", n_layers=3), seed=4)
-    mapper, report = calibrate(model, model, IDS, lams=ridge.LAMBDAS, progress=False)   # k = 8 -> all 3 layers
+    mapper, report = calibrate(model, model, CALIB, progress=False)   # k = 8 -> all 3 layers, lambda per layer
     logits, _ = handoff(model, model, mapper, PROMPTS)
     own, _ = model(PROMPTS)
     div = kl(own[:, -1], logits[:, -1])
@@ -68,9 +68,28 @@ def test_handoff_of_a_left_padded_batch_matches_each_prompt_alone(exact):
 def test_gate_flags_an_unrelated_pair_and_thresholds_are_settable():
     source = kvt.build_model(tiny_config("llama", n_layers=2), seed=0)
     target = kvt.build_model(tiny_config("llama", n_layers=2), seed=1)     # unrelated weights
-    mapper, _ = calibrate(source, target, IDS, progress=False)
+    mapper, _ = calibrate(source, target, CALIB, progress=False)
     d = diagnose(source, target, mapper, PROMPTS)
     ok, reasons = gate(d, min_attn_cos=0.999, max_kl=1e-6)
     assert not ok and len(reasons) == 2, reasons
     assert gate(d, min_attn_cos=-1.0, max_kl=float("inf"))[0]
     assert "attn cos" in format_diagnostics(d)
+
+
+def test_diagnostics_pool_over_sequences_like_one_batch(exact):
+    """diagnose runs one sequence at a time (the queries of every layer are held for one only); its R^2
+    pools the sequences as one batch would. Guards: averaging per-sequence R^2, or centering each
+    sequence on its own mean."""
+    source, _, _ = exact
+    target = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=5)  # an unrelated model: R^2 < 1
+    mapper, _ = calibrate(source, target, CALIB, progress=False)
+    d = diagnose(source, target, mapper, PROMPTS)
+    _, src = source(PROMPTS)
+    _, true = target(PROMPTS)
+    mapped = mapper.apply(src)
+    def r2(pred, y):                                                   # pooled over the batch, written out
+        y, pred = y.double(), pred.double()
+        return 1 - ((y - pred) ** 2).sum().item() / ((y - y.mean((0, 2), keepdim=True)) ** 2).sum().item()
+    want = [r2(mapped.values[l], true.values[l]) for l in range(3)]
+    assert max(abs(a - b) for a, b in zip(d["r2_v"], want)) < 1e-9, (d["r2_v"], want)
+    assert min(want) < 0.999

@@ -1,9 +1,9 @@
 """Cost of the mapper's two hot paths, timed side by side in one process (run: pytest -m slow -s this file).
 
-1. Calibration: statistics accumulation vs the two models' forward passes on the same batch. The pair
-   keeps the real qwen3-0.6b -> 1.7b ratio of statistics FLOPs to forward FLOPs (about 18%) at a
-   size a laptop runs: Hkv*D = dim for the source, D = 128, 14 layers each, 32K vocabulary.
-   Reported, not asserted (see the comment at the end of the test).
+1. Calibration: statistics accumulation (head scope, the default float32 products of centered
+   features into float64 sums) vs the two models' forward passes on the same batch, at most +20%.
+   The pair keeps the real qwen3-0.6b -> 1.7b ratio of statistics FLOPs to forward FLOPs (about 18%)
+   at a size a laptop runs: Hkv*D = dim for the source, D = 128, 14 layers each, 32K vocabulary.
 2. Apply: a head-scope mapper (k = 8) on n = 4,096 tokens vs this machine's fp32 matmul throughput.
 
 On a machine shared with other jobs, run with OMP_NUM_THREADS=1: threads waiting on a busy core make
@@ -38,6 +38,8 @@ def median_time(fn, repeats=3):
 
 
 def test_statistics_overhead_vs_forward_passes():
+    """Guards: statistics that cost more than a fifth of the forward passes they are fitted from (float64
+    products ran at +25-37% on these CPUs)."""
     source, target = kvt.build_model(SRC, seed=0), kvt.build_model(TGT, seed=1)
     ids = torch.randint(0, 32000, (1, 512), generator=torch.Generator().manual_seed(0))
     s, t = capture(source, ids), capture(target, ids)
@@ -46,11 +48,10 @@ def test_statistics_overhead_vs_forward_passes():
     for products in (torch.float64, torch.float32):
         stats = new_stats(SRC, TGT, "head")
         rows[products] = median_time(lambda: add_batch(stats, "fit", s, t, products))
-    print(f"\n512 tokens: forward passes {forward:.3f} s; statistics float64 {rows[torch.float64]:.3f} s "
-          f"(+{rows[torch.float64] / forward:.0%}), float32 products {rows[torch.float32]:.3f} s "
+    print(f"\n512 tokens: forward passes {forward:.3f} s; statistics float64 products {rows[torch.float64]:.3f} s "
+          f"(+{rows[torch.float64] / forward:.0%}), float32 products (the default) {rows[torch.float32]:.3f} s "
           f"(+{rows[torch.float32] / forward:.0%})")
-    # issue 3 asks for at most +20%; the statistics are ~18% of the FLOPs of this pair, so on a CPU, where
-    # float64 runs at about half the float32 rate, that is not met in float64: the numbers are printed.
+    assert rows[torch.float32] <= 0.2 * forward, "streaming statistics costs more than 20% of the forward passes"
 
 
 def test_apply_throughput_vs_matmul():

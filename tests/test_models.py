@@ -204,3 +204,21 @@ def test_named_pairs_checked_before_download():
         check_matched_kv(shape("llama3.2-1b"), shape("llama3.1-8b"))  # head dim 64 vs 128
     with pytest.raises(KvtError, match="unknown model"):
         shape("qwen3-15b")
+
+
+@pytest.mark.parametrize("queries", [False, True])
+def test_queries_are_kept_only_when_asked(queries):
+    """forward(queries=False) lets each layer's queries go as soon as the next layer runs. Guards:
+    appending every layer's q to a list whether asked or not, which holds them all until the pass ends
+    (about 32 GiB at 32K tokens on Qwen3-32B in bf16, memory the plan does not count)."""
+    import weakref
+    from tests.conftest import tiny_config
+    model = kvt.build_model(tiny_config(n_layers=3))
+    refs, alive = [], []
+    for block in model.model.layers:
+        block.self_attn.register_forward_hook(lambda m, i, out: refs.append(weakref.ref(out[1])))
+    model.model.norm.register_forward_pre_hook(lambda m, i: alive.append([r() is not None for r in refs]))
+    with torch.no_grad():
+        _, cache = model(torch.randint(0, 128, (1, 8)), queries=queries)
+    assert alive[0][:2] == [queries, queries], alive  # layers 0 and 1, when the final norm runs
+    assert (cache.queries is not None) == queries

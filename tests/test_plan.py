@@ -2,22 +2,23 @@
 parameter counts and model.place's split, and a plan that does not fit says what would."""
 import pytest
 import torch
-from conftest import function_preserving_twin, tiny_config
+from conftest import calib_of, function_preserving_twin, tiny_config
 
 import kvt
 from kvt.config import KvtError, shape
 from kvt.mapper import calibrate
 from kvt.model import Transformer, place
-from kvt.plan import GPUS, USABLE, capacity, check_plan, plan, weight_bytes
+from kvt.plan import GPUS, USABLE, calibration_passes, capacity, check_plan, fits, plan, split_to_fit, weight_bytes
 from kvt.stats import memory_plan, new_stats
 
 GiB = 2**30
 PAIRS = [("qwen3-14b", "qwen3-32b"), ("llama3.1-8b", "llama3.1-70b")]
 
 
-def closed_form(src, tgt, scope, k=8, T=32768, N=1024):
-    """The formula of docs/multi-device.md on one device, bf16 weights, float64 statistics, batch 1.
-    Returns {name: bytes} and the total a device needs: weights + the largest phase."""
+def closed_form(src, tgt, scope, k=8, T=32768, N=1024, group=None):
+    """The formula of the README's memory plan on one device, bf16 weights, float64 statistics, batch 1;
+    layer scope's second pass in groups of `group` target layers. Returns {name: bytes} and the total a
+    device needs: weights + the largest phase."""
     def weights(c):  # embedding + lm_head (untied here), final norm, layers (Qwen3: + q/k norms)
         layer = c.dim * (2 * c.n_heads * c.head_dim + 2 * c.n_kv_heads * c.head_dim) + 3 * c.dim * c.ffn_dim + 2 * c.dim
         return 2 * (2 * c.vocab_size * c.dim + c.dim + c.n_layers * (layer + 2 * c.head_dim * c.qk_norm))
@@ -33,11 +34,13 @@ def closed_form(src, tgt, scope, k=8, T=32768, N=1024):
     calib = kv(src, N, 3) + kv(tgt, N, 3) + N * act
     rows = {"weights": weights(src) + weights(tgt), "pass 1": stats(Hkv, Ls * D, Lt * D)}
     if scope == "layer":
-        rows["pass 2"] = stats(1, min(Ls, k * Lt) * Hkv * D, Lt * Hkv * D)
+        g = group or Lt
+        rows["pass 2"] = stats(1, min(Ls, k * g) * Hkv * D, g * Hkv * D)
     G, B = (Hkv, D) if scope == "head" else (1, Hkv * D)
     rows["mapper"] = 4 * 2 * Lt * G * (k * B * B + B)
     rows["transfer"] = kv(src, T) + kv(tgt, T) + rows["mapper"] + 4 * 2 * T * Hkv * D * Ls + T * act
-    need = rows["weights"] + max(rows["pass 1"] + calib, rows.get("pass 2", 0) + calib, rows["transfer"])
+    diagnostics = kv(src, N) + kv(tgt, N, 4) + N * tgt.n_heads * tgt.head_dim * Lt * 2
+    need = rows["weights"] + max(rows["pass 1"] + calib, rows.get("pass 2", 0) + calib, rows["transfer"], diagnostics)
     return rows, need
 
 
@@ -51,9 +54,31 @@ def test_plan_equals_the_closed_form(names, scope):
     assert sum(v for what, v in by.items() if "weights" in what) == rows["weights"]
     assert by[f"head statistics, {src.n_layers} source layers, float64"] == rows["pass 1"]
     if scope == "layer":
-        assert by[f"layer statistics, {src.n_layers} source layers (at most), float64"] == rows["pass 2"]
+        assert by[f"layer statistics, {tgt.n_layers} target x <= {src.n_layers} source layers, float64"] == rows["pass 2"]
     assert by[f"mapper, {scope} scope, k=8 (float32)"] == rows["mapper"]
     assert p.need()["cuda:0"] == need, f"plan {p.need()['cuda:0'] / GiB:.2f} GiB vs formula {need / GiB:.2f} GiB"
+
+
+@pytest.mark.parametrize("names", PAIRS, ids=lambda n: ":".join(n))
+def test_layer_scope_split_to_fit_one_h200_and_two_to_eight_h100s(names):
+    """The paper's configuration (layer scope, float64 statistics) did not fit any GPU count: one pass
+    held 132 GiB of statistics. Split by groups of target layers it fits one H200 (Qwen3 14B -> 32B;
+    Llama 3.1 70B alone is 131 GiB in bf16) and two to eight H100s; the plan equals the formula for its
+    group, and the largest group that fits is taken (fewest passes over the data)."""
+    src, tgt = map(shape, names)
+    for gpu, n in [("h200", 1), ("h100", 2), ("h100", 4), ("h100", 8)]:
+        if names[1] == "llama3.1-70b" and n < 4:
+            continue                                                    # the weights alone do not fit
+        devices = [f"cuda:{i}" for i in range(n)]
+        cap = capacity(devices, gpu)
+        whole = plan(src, tgt, "layer", context=32768, devices=devices)
+        assert not fits(whole, cap)
+        p = split_to_fit(whole, cap)
+        g = p.options["group"]
+        assert fits(p, cap) and g is not None and calibration_passes(p) == 1 + -(-tgt.n_layers // g), (gpu, n)
+        assert not fits(plan(src, tgt, "layer", context=32768, devices=devices, group=g + 1), cap)
+        if n == 1:
+            assert p.need()["cuda:0"] == closed_form(src, tgt, "layer", group=g)[1]
 
 
 def test_two_devices_split_layers_and_keep_statistics_on_the_first():
@@ -111,7 +136,8 @@ def test_capacity_of_named_gpus_and_meta():
 
 # ---- the options a plan suggests do what they say -------------------------------------------------------
 
-IDS = torch.randint(0, 128, (12, 24), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, 128, (14, 24), generator=torch.Generator().manual_seed(0))
+CALIB = calib_of(IDS)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +153,9 @@ def test_float32_statistics_take_half_and_fit_the_same_mapper(exact_pair, scope)
     b64, b32 = (sum(t.numel() * t.element_size() for x in s.sums.values() for t in x.tensors()) for s in (s64, s32))
     assert b32 * 2 == b64
     assert b32 == memory_plan(source.config, target.config, scope, batch_tokens=0, dtype=torch.float32)[-1][1]
-    want, _ = calibrate(source, target, IDS, scope=scope, k=1, lam=1e-9, progress=False)
-    got, report = calibrate(source, target, IDS, scope=scope, k=1, lam=1e-9, progress=False, stats_dtype=torch.float32)
+    assert b64 == memory_plan(source.config, target.config, scope, batch_tokens=0)[-1][1]
+    want, _ = calibrate(source, target, CALIB, scope=scope, k=1, lam=1e-9, progress=False)
+    got, report = calibrate(source, target, CALIB, scope=scope, k=1, lam=1e-9, progress=False, stats_dtype=torch.float32)
     for kind in "kv":
         assert torch.equal(got.layers[kind], want.layers[kind])
         err = ((got.W[kind] - want.W[kind]).abs().max() / want.W[kind].abs().max()).item()
@@ -138,6 +165,6 @@ def test_float32_statistics_take_half_and_fit_the_same_mapper(exact_pair, scope)
 
 def test_fewer_candidates_select_among_them(exact_pair):
     source, target = exact_pair
-    mapper, report = calibrate(source, target, IDS, k=1, lam=1e-9, progress=False, candidates=2)
+    mapper, report = calibrate(source, target, CALIB, scope="head", k=1, lam=1e-9, progress=False, candidates=2)
     assert report["r2_single"]["k"].shape == (2, 3)                           # candidates 0 and 2 of 3 layers
     assert mapper.layers["k"][:, 0].tolist() == [0, 0, 2]                     # layer 1 is not a candidate

@@ -1,4 +1,5 @@
-"""ridge.py against oracles on synthetic data: a planted linear map, lstsq, direct residuals."""
+"""ridge.py against oracles on synthetic data: a planted linear map, lstsq, direct residuals, a direct solve
+of the standardized system at every lambda."""
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def planted(G=2, N=400, F=12, O=5, noise=0.0, seed=0):
 
 
 def sums(x, y):
-    return Sums.zeros(x.shape[0], x.shape[2], y.shape[2]).add_(x, y)
+    return Sums.zeros(x.shape[0], x.shape[2], y.shape[2]).add_(x, y, torch.float64)
 
 
 def assert_close(actual, expected, what, atol):
@@ -50,12 +51,49 @@ def test_noisy_fit_converges_to_least_squares_as_lambda_goes_to_zero():
     assert errs == sorted(errs, reverse=True), f"error does not shrink with lambda: {errs}"
 
 
-def test_lambda_is_scale_free():
-    """lambda is relative to the mean feature variance: scaling x leaves predictions unchanged."""
+def test_lambda_is_per_feature_scale_free():
+    """lambda is relative to each feature's own variance: scaling features by different constants leaves
+    every prediction unchanged. Guards: lambda scaled by the mean feature variance (one loud feature
+    then sets the penalty of all), or not scaled at all."""
     x, y, _, _ = planted(noise=0.3)
+    scale = torch.linspace(0.01, 50, x.shape[2], dtype=f64)
     W1, b1 = ridge.solve(sums(x, y), 0.1)
-    W2, b2 = ridge.solve(sums(7.0 * x, y), 0.1)
-    assert_close(7.0 * x @ W2 + b2[:, None], x @ W1 + b1[:, None], "predictions after scaling x by 7", 1e-9)
+    W2, b2 = ridge.solve(sums(x * scale, y), 0.1)
+    assert_close((x * scale) @ W2 + b2[:, None], x @ W1 + b1[:, None], "predictions after scaling features", 1e-9)
+
+
+def test_a_quiet_informative_layer_beside_a_loud_one_keeps_its_signal():
+    """y depends on a quiet feature block (std 0.01); a loud, uninformative block (std 100) sits beside
+    it. Fitted together, R^2 stays that of the quiet block alone (with lambda scaled by the mean feature
+    variance it fell from 0.9987 to 0.036 at lambda 0.01)."""
+    g = torch.Generator().manual_seed(0)
+    quiet, loud = 0.01 * torch.randn(1, 2000, 8, generator=g, dtype=f64), 100 * torch.randn(1, 2000, 8, generator=g, dtype=f64)
+    y = quiet @ torch.randn(1, 8, 3, generator=g, dtype=f64) * 100 + 0.03 * torch.randn(1, 2000, 3, generator=g, dtype=f64)
+    both = torch.cat([quiet, loud], 2)
+    def r2(x):
+        W, b = ridge.solve(sums(x[:, :1500], y[:, :1500]), 0.01)
+        val = sums(x[:, 1500:], y[:, 1500:])
+        return 1 - (ridge.sse(val, W, b).sum() / ridge.sst(val).sum()).item()
+    alone, together = r2(quiet), r2(both)
+    assert alone > 0.99 and together > alone - 0.01, (alone, together)
+
+
+def test_one_eigendecomposition_serves_every_lambda():
+    """weights(eigen(s), lam) equals a direct solve of the standardized normal equations at each lambda.
+    Guards: an eigenbasis used the wrong way round (Q vs Q^T), or a standardization not undone."""
+    x, y, _, _ = planted(noise=0.3)
+    s = sums(x, y)
+    mx, my = s.sx / s.n, s.sy / s.n
+    cxx = s.gram() / s.n - mx[:, :, None] * mx[:, None, :]
+    cxy = s.xy / s.n - mx[:, :, None] * my[:, None, :]
+    d = cxx.diagonal(dim1=1, dim2=2).rsqrt()
+    eig = ridge.eigen(s)
+    for lam in (1e-6, 1e-2, 1.0, 100.0):
+        A = cxx * d[:, :, None] * d[:, None, :] + lam * torch.eye(x.shape[2], dtype=f64)
+        direct = d[:, :, None] * torch.linalg.solve(A, cxy * d[:, :, None])
+        W, b = ridge.weights(eig, lam)
+        assert_close(W, direct, f"W at lambda {lam}", 1e-9)
+        assert_close(b, my - (mx[:, None] @ direct)[:, 0], f"b at lambda {lam}", 1e-9)
 
 
 def test_held_out_sse_and_r2_from_statistics_equal_direct_residuals():
@@ -81,39 +119,53 @@ def layered(Ls=4, Lt=3, G=2, bx=3, by=2, n=300, truth=((1,), (3,), (0, 2)), seed
     parts = {}
     for kind in ("k", "v"):
         parts[f"{kind}.fit"] = sums(x[:, :250], y.flatten(2)[:, :250])
-        parts[f"{kind}.held"] = sums(x[:, 250:], y.flatten(2)[:, 250:])
-    return Stats("head", list(range(Ls)), Lt, bx, by, parts), xs, y
+        parts[f"{kind}.val"] = sums(x[:, 250:], y.flatten(2)[:, 250:])
+    return Stats("head", list(range(Ls)), list(range(Lt)), bx, by, parts), xs, y
 
 
 def test_single_layer_r2_equals_brute_force_and_selection_finds_planted_layers():
+    """Guards: R^2 of a source/target pair not at its best lambda, rows or columns swapped."""
     stats, xs, y = layered()
-    r2 = ridge.single_layer_r2(stats, "k", lam=0.01)                       # (Ls, Lt)
+    lams = (1e-4, 1.0, 30.0)
+    r2 = ridge.single_layer_r2(stats, "k", lams)                           # (Ls, Lt)
     for s in range(4):
         for t in range(3):
-            W, b = ridge.solve(sums(xs[:, :250, s], y[:, :250, t]), 0.01)
-            pred = xs[:, 250:, s] @ W + b[:, None]
-            true = y[:, 250:, t]
-            direct = 1 - ((true - pred) ** 2).sum() / ((true - true.mean(1, keepdim=True)) ** 2).sum()
-            assert abs(r2[s, t] - direct) < 1e-9, f"R^2[{s},{t}] {r2[s, t]:.6f} vs direct {direct:.6f}"
+            direct = []
+            for lam in lams:
+                W, b = ridge.solve(sums(xs[:, :250, s], y[:, :250, t]), lam)
+                pred = xs[:, 250:, s] @ W + b[:, None]
+                true = y[:, 250:, t]
+                direct.append(1 - ((true - pred) ** 2).sum() / ((true - true.mean(1, keepdim=True)) ** 2).sum())
+            assert abs(r2[s, t] - max(direct)) < 1e-9, f"R^2[{s},{t}] {r2[s, t]:.6f} vs direct {max(direct):.6f}"
     sel = ridge.select_layers(r2, stats.src_layers, k=1)
     assert sel[:2, 0].tolist() == [1, 3]
     assert ridge.select_layers(r2, stats.src_layers, k=2)[2].tolist() == [0, 2]
 
 
-def test_fit_layers_and_sweep():
-    stats, _, _ = layered()
-    selected = {kind: torch.tensor([[1, 2], [0, 3], [0, 2]]) for kind in ("k", "v")}
-    W, b, r2 = ridge.fit_layers(stats, "k", selected["k"], 0.01)
-    assert W.shape == (3, 2, 2 * 3, 2) and b.shape == (3, 2, 2) and r2.shape == (3,)
-    assert (r2 > 0.95).all(), f"held-out R^2 of the planted fits: {r2.tolist()}"
-    best, scores = ridge.sweep(stats, selected, lams=(1e-4, 1e-2, 10.0))
-    assert best != 10.0 and scores[10.0] < scores[best]
+def test_fit_layers_picks_the_lambda_with_the_best_validation_error():
+    """Guards: lambda picked on the fit split (it would always take the smallest), or the worst one."""
+    stats, _, _ = layered(n=270)                                           # 250 fit tokens, 20 validation tokens
+    selected = torch.tensor([[1, 2], [0, 3], [0, 2]])
+    fits = ridge.fit_layers(stats, "k", selected, ridge.LAMBDAS)
+    for t, (W, b, r2, lam) in fits.items():
+        assert W.shape == (2, 2 * 3, 2) and b.shape == (2, 2)
+        fi = torch.cat([torch.arange(l * 3, l * 3 + 3) for l in selected[t].tolist()])
+        oi = torch.arange(t * 2, t * 2 + 2)
+        fit, val = stats.part("k", "fit").select(fi, oi), stats.part("k", "val").select(fi, oi)
+        errs = {l: ridge.sse(val, *ridge.solve(fit, l)).sum().item() for l in ridge.LAMBDAS}
+        assert lam == min(errs, key=errs.get), (t, lam, errs)
+        assert abs(r2 - (1 - errs[lam] / ridge.sst(val).sum().item())) < 1e-9
+    assert fits[0][2] > 0.95 and fits[1][2] > 0.95, "validation R^2 of the planted fits"
 
 
 def test_nan_in_statistics_is_a_one_line_error():
     stats, _, _ = layered()
     stats.part("v", "fit").xx[0, 0, 0] = float("nan")
     with pytest.raises(KvtError) as e:
+        ridge.fit_layers(stats, "k", torch.tensor([[0], [1], [2]]))
+    stats.part("v", "fit").xx[0, 0, 0] = 0.0
+    stats.part("k", "val").n.zero_()
+    with pytest.raises(KvtError, match="no validation tokens"):
         ridge.fit_layers(stats, "k", torch.tensor([[0], [1], [2]]))
     assert "NaN" in str(e.value) and "\n" not in str(e.value)
 

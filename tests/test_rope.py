@@ -17,12 +17,15 @@ RECIPES = {
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_strip_inverts_apply(recipe):
+    """strip is apply's exact inverse in float64. Guards: strip computing float64 keys in float32 (an
+    error of about 1e-7, which a float64 statistics pipeline would then carry), or not dividing out
+    YaRN's scale."""
     cfg = tiny_config(rope=RECIPES[recipe])
     inv_freq, scale = rope.frequencies(cfg)
     x = torch.randn(3, 2, 20, cfg.head_dim, dtype=torch.float64)
     pos = torch.randint(0, 30000, (3, 20))  # offset, non-contiguous, per row
     err = (rope.strip(rope.apply(x, pos, inv_freq, scale), pos, inv_freq, scale) - x).abs().max()
-    assert err < 1e-5, f"{recipe}: strip(apply(x)) differs from x by {err:.1e}"
+    assert err < 1e-12, f"{recipe}: strip(apply(x)) differs from x by {err:.1e}"
     if recipe == "yarn":
         assert scale != 1.0
 
@@ -50,3 +53,19 @@ def test_relocation_equals_prefill_at_shifted_positions(family, recipe):
         moved = rope.apply(free, p + 1000, model.inv_freq, model.rope_scale)
         err = (moved - at_ps.keys[l]).abs().max()
         assert err < 1e-4, f"layer {l}: relocated keys differ from a prefill at p + 1000 by {err:.1e}"
+
+
+def test_yarn_without_original_max_position_embeddings():
+    """A YaRN or llama3 config without original_max_position_embeddings falls back to the top-level
+    one, else max_position_embeddings, as transformers does. Guards: a KeyError deep in rope._yarn."""
+    from kvt.config import config_from_dict
+    hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+          "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+          "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}
+    cfg = config_from_dict(hf)
+    assert cfg.rope["original_max_position_embeddings"] == 4096
+    inv, scale = rope.frequencies(cfg)
+    assert inv.shape == (8,) and scale > 1
+    cfg = config_from_dict({**hf, "original_max_position_embeddings": 1024})
+    assert cfg.rope["original_max_position_embeddings"] == 1024

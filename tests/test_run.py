@@ -29,9 +29,9 @@ def pair(tmp_path_factory):
 
 
 def per_item(results_dir, name):
-    """(task, idx) -> the prediction of condition `name`."""
+    """(task, item id) -> the prediction of condition `name`."""
     recs = [json.loads(l) for f in results_dir.glob("records-*.jsonl") for l in f.read_text().splitlines()]
-    return {(r["task"], r["idx"]): r.get("pred", r.get("output")) for r in recs if r["condition"] == name}
+    return {(r["task"], r["id"]): r.get("pred", r.get("output")) for r in recs if r.get("condition") == name}
 
 
 @pytest.mark.parametrize("target", ["twin", "source"])  # the exact pair, the identity pair
@@ -54,7 +54,7 @@ def test_interrupted_run_resumes_to_the_same_results(pair, tmp_path):
     run.main(argv + ["--out", str(tmp_path / "b")])
     records = next((tmp_path / "b").glob("records-*.jsonl"))
     lines = records.read_text().splitlines()
-    records.write_text("\n".join(lines[:len(lines) // 3]) + "\n")  # as if stopped a third of the way
+    records.write_text("\n".join(lines[:len(lines) // 3]) + "\n" + lines[len(lines) // 3][:20])  # stopped in mid-write
     (tmp_path / "b" / "results.json").unlink()
     resumed = run.main(argv + ["--out", str(tmp_path / "b")])
     same = json.dumps(resumed["tasks"], sort_keys=True) == json.dumps(whole["tasks"], sort_keys=True)
@@ -83,3 +83,25 @@ def test_mismatched_pair_is_one_line(tmp_path, capsys):
         raise SystemExit(p.stderr)
     msg = str(e.value).strip()
     assert msg.startswith("kvt: ") and len(msg.splitlines()) == 1, msg
+
+
+def test_mapper_is_placed_where_the_target_keeps_each_layer(pair, tmp_path, monkeypatch):
+    """run.py hands the transfer a mapper whose weights sit with each target layer. Guards: placing it
+    only for more than one device, which leaves it on the CPU under one GPU, so every transfer copies
+    its weights host to device again (and the bench times that copy)."""
+    seen = []
+    real = run.evals.transfer
+    monkeypatch.setattr(run.evals, "transfer", lambda s, t, m: seen.append((m, t)) or real(s, t, m))
+    run.main(["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path)] + ARGS)
+    mapper, target = seen[0]
+    assert mapper.placed and mapper.devices() == kvt.model.layer_devices(target)
+
+
+def test_records_of_another_run_are_not_read_as_this_ones(tmp_path):
+    """Guards: a glob on the records file's stem, which also matched the reverse direction's records
+    (CoQA's way back), so they overwrote the forward ones and counted as done."""
+    for name in ("records-a-1.jsonl", "records-a-1.rank0.jsonl", "records-a-1.rank1.jsonl", "records-a-1-reverse.jsonl",
+                 "records-a-12.jsonl", "records-b-1.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    got = [f.name for f in run.record_files(tmp_path / "records-a-1.jsonl")]
+    assert got == ["records-a-1.jsonl", "records-a-1.rank0.jsonl", "records-a-1.rank1.jsonl"]
