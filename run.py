@@ -27,6 +27,7 @@ A problem the user can fix is one line on stderr and exit code 2.
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -44,6 +45,7 @@ from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
 from kvt.plan import capacity, check_plan, format_plan, plan, split_to_fit
+from kvt.stats import FORMAT as STATS_FORMAT
 from kvt.weights import fingerprint
 
 ROOT = Path(__file__).resolve().parent
@@ -97,6 +99,63 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def check_args(args):
+    """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
+    def positive(name, value, least=1, why=""):
+        if value is not None and value < least:
+            raise KvtError(f"--{name} {value}: must be at least {least}{why}")
+    positive("k", args.k, why=" (source layers per target layer; the paper uses 8)")
+    positive("calib-seqs", args.calib_seqs, why=" (calibration sequences; the paper uses 500)")
+    positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
+    positive("limit", args.limit, why=" (items per task)")
+    positive("candidates", args.candidates, 2, " (source layers to select from)")
+    if args.lam is not None and not (math.isfinite(args.lam) and args.lam > 0):
+        raise KvtError(f"--lam {args.lam}: the ridge lambda must be a positive number (or leave it out to pick one "
+                       "per target layer on validation data)")
+    for name in ("min_attn_cos", "max_kl"):
+        if not math.isfinite(getattr(args, name)):
+            raise KvtError(f"--{name.replace('_', '-')} must be a number")
+    if args.tasks is not None and not [t for t in args.tasks.split(",") if t.strip()]:
+        raise KvtError(f"--tasks is empty; name at least one task (known: {', '.join(evals.TASKS)})")
+    if args.bench_lengths is not None:
+        try:
+            lengths = [int(n) for n in args.bench_lengths.split(",")]
+        except ValueError:
+            lengths = []
+        if not lengths or min(lengths) < 2:
+            raise KvtError(f"--bench-lengths {args.bench_lengths!r}: give comma-separated context lengths of at "
+                           "least 2 tokens, e.g. 512,1024,2048")
+    positive("context", args.context, 2)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise KvtError(f"--out {args.out} is a file; give a folder (it is created if missing)")
+
+
+def check_devices(devices):
+    """Every device named must exist here: a one-line error for a typo or a GPU this machine lacks."""
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError:
+            raise KvtError(f"unknown device {d!r}; use cpu, cuda or cuda:N")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise KvtError(f"--device {d}: CUDA is not available on this machine; use --device cpu")
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise KvtError(f"--device {d}: this machine has {torch.cuda.device_count()} CUDA devices")
+        if dev.type not in ("cpu", "cuda", "meta", "mps"):
+            raise KvtError(f"device {d!r} is not one kvt runs on; use cpu or cuda:N")
+
+
+def check_lengths(lengths, cfgs, tok):
+    """Every context the run will build fits both models, and the tokenizer's ids fit their vocabularies."""
+    limit = min(c.max_seq_len for c in cfgs)
+    if max(lengths) > limit:
+        raise KvtError(f"a context of {max(lengths)} tokens exceeds the models' limit of {limit} "
+                       "(max_position_embeddings); use shorter --bench-lengths, --context or --calib-len")
+    if tok.vocab_size > min(c.vocab_size for c in cfgs):
+        raise KvtError(f"the tokenizer has {tok.vocab_size} tokens, more than a model's vocabulary of "
+                       f"{min(c.vocab_size for c in cfgs)}; use the tokenizer that came with these weights")
+
+
 def resolve(args):
     """(source dir, target dir, source name, target name)."""
     if args.source or args.target:
@@ -111,29 +170,39 @@ def short_hash(obj):
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-def mapper_key(args, src_dir, tgt_dir, calib):
-    """Everything a mapper is made from: both checkpoints' weights, the settings, the calibration tokens.
-    A different request, or the same one on retrained weights, never reuses a mapper or statistics."""
-    return {"format": MAPPER_FORMAT, "source": fingerprint(src_dir), "target": fingerprint(tgt_dir),
-            "scope": args.scope, "k": args.k, "lambda": args.lam, "mapper": args.mapper, "calib": calib.hash(),
-            "stats_dtype": args.stats_dtype, "candidates": args.candidates}
+def stats_key(args, src_dir, tgt_dir, calib):
+    """What calibration statistics depend on: both checkpoints' weights, the calibration tokens, the
+    statistics' dtype and candidates. Another lambda, k or mapper type reuses them."""
+    return {"format": STATS_FORMAT, "source": fingerprint(src_dir), "target": fingerprint(tgt_dir),
+            "calib": calib.hash(), "stats_dtype": args.stats_dtype, "candidates": args.candidates}
 
 
-def get_mapper(args, source, target, tok, calib, out, key, dtype, group=None):
-    """Load the mapper made from `key` in OUT, or calibrate and save it (statistics checkpointed)."""
+def mapper_key(args, stats):
+    """Everything a mapper is made from: its statistics' key and the settings of the fit. A different
+    request, or the same one on retrained weights, never reuses a mapper (nor records made with it)."""
+    return {**stats, "format": MAPPER_FORMAT, "stats_format": stats["format"], "scope": args.scope, "k": args.k,
+            "lambda": args.lam, "mapper": args.mapper}
+
+
+def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
+    """Load the mapper made from these settings in OUT, or calibrate and save it (statistics checkpointed
+    under a name of their own, so another lambda, k or mapper type reads them again)."""
+    key = mapper_key(args, skey)
     name = f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
     path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
-        return load_mapper(path, source.config, target.config, tok.fingerprint()).to(dtype=dtype), name
-    mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=out / f"stats-{name}",
-                               key=short_hash(key), tokenizer=tok.fingerprint(), group=group,
+        return load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_hash(key)).to(dtype=dtype), name
+    mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam,
+                               checkpoint=out / f"stats-{short_hash(skey)}", key=short_hash(skey),
+                               tokenizer=tok.fingerprint(), group=group,
                                stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
                                progress=dist.rank() == 0)
     if args.mapper in MLP_MODES:
         mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0)
     mapper.meta["diagnostics"] = diagnose(source, target, mapper, calib.diag)  # a region no choice has seen
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
+    mapper.meta["key"] = short_hash(key)
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
         save_mapper(mapper, path)
     return mapper.to(dtype=dtype), name
@@ -242,6 +311,17 @@ def lambda_summary(meta):
     return "; ".join(f"{kind.upper()} {one(v)}" for kind, v in lam.items()) if isinstance(lam, dict) else str(lam)
 
 
+def strict(obj):
+    """obj with every non-finite float (a diagnostic of a model that produced NaN, say) as None: strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
 def bench_default(is_toy, device):
     return "256,512,1024" if is_toy else ("2048,8192,32768" if device.startswith("cuda") else "512,1024,2048,4096")
 
@@ -253,30 +333,45 @@ def write_atomic(path, text):
 
 
 def main(argv=None):
+    """Run everything (see the module docstring); returns the results dict. A run that fails leaves no
+    empty output folder behind (a folder with a checkpoint in it stays: the rerun resumes from it)."""
     args = parse_args(argv)
-    t0 = time.time()
+    check_args(args)
     src_dir, tgt_dir, src_name, tgt_name = resolve(args)
+    out = args.out or ROOT / "runs" / f"{src_name}_{tgt_name}"
+    created = not out.exists()
+    try:
+        return run(args, src_dir, tgt_dir, src_name, tgt_name, out)
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
+    t0 = time.time()
     is_toy = src_name.startswith("toy-") or args.tasks is not None and args.tasks.startswith("toy_")
     args.calib = args.calib or ([] if is_toy else [args.data_dir / c for c in REAL_CALIB])
     args.calib_seqs = (200 if is_toy else 500) if args.calib_seqs is None else args.calib_seqs
     args.calib_len = (256 if is_toy else 1024) if args.calib_len is None else args.calib_len
     args.limit = (200 if is_toy else 500) if args.limit is None else args.limit
-    tasks = (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",")
+    tasks = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
+    check_devices(args.devices.split(",") if args.devices else [args.device])
     devices = dist.init(args.devices.split(",") if args.devices else [args.device])
     args.device = devices[0]
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    out = args.out or ROOT / "runs" / f"{src_name}_{tgt_name}"
 
     # 1. checks before heavy work
     src_cfg, tgt_cfg = load_config(src_dir, args.calib_len), load_config(tgt_dir, args.calib_len)
     check_matched_kv(src_cfg, tgt_cfg, args.scope)
     src_tok, tok = kvt.load_tokenizer(src_dir), kvt.load_tokenizer(tgt_dir)
     check_same_tokenizer(src_tok, tok)
+    lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
+    check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
     items = {task: evals.load_task(task, args.data_dir, args.limit, seed=args.seed) for task in tasks}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
     calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text)
-    key = mapper_key(args, src_dir, tgt_dir, calib)
-    lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
+    skey = stats_key(args, src_dir, tgt_dir, calib)
     cap = capacity(devices)
     memory = split_to_fit(plan(src_cfg, tgt_cfg, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
                                dtype, devices, calib_len=args.calib_len, stats_dtype=getattr(torch, args.stats_dtype),
@@ -284,13 +379,16 @@ def main(argv=None):
     if dist.rank() == 0:
         print(format_plan(memory, cap, f"{src_name} -> {tgt_name}"))
     check_plan(memory, cap)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
     source = kvt.load_model(src_dir, dtype, devices=devices)
     target = kvt.load_model(tgt_dir, dtype, devices=devices)
     print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")
 
     # 2-3. mapper and its diagnostics, with its weights where the target keeps each layer
-    mapper, name = get_mapper(args, source, target, tok, calib, out, key, dtype, memory.options["group"])
+    mapper, name = get_mapper(args, source, target, tok, calib, out, skey, dtype, memory.options["group"])
     mapper = mapper.place(layer_devices(target))
     diag = mapper.meta["diagnostics"]
     fit, reasons = gate(diag, args.min_attn_cos, args.max_kl)
@@ -304,7 +402,8 @@ def main(argv=None):
     summary, average = evals.summarize(records), evals.average_retention(records)
     coqa = {}
     if "coqa" in tasks:  # the other direction: the large model hands the conversation to the small one
-        back, back_name = get_mapper(args, target, source, tok, calib, out, dict(key, reverse=True), dtype)
+        back_key = stats_key(args, tgt_dir, src_dir, calib)
+        back, back_name = get_mapper(args, target, source, tok, calib, out, back_key, dtype)
         back = back.place(layer_devices(source))
         rev_header = dict(header, mapper=back_name)
         rev = run_tasks(args, {"coqa": items["coqa"]}, tok,
@@ -358,15 +457,22 @@ def main(argv=None):
                "lambda": mapper.meta.get("lambda"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
                "tasks": summary, "average_retention": average, "coqa": coqa, "bench": rows,
                "items": {task: [it.id for it in its] for task, its in items.items()}, "wall_s": time.time() - t0}
-    write_atomic(out / "results.json", json.dumps(results, indent=1, allow_nan=False))
+    write_atomic(out / "results.json", json.dumps(strict(results), indent=1, allow_nan=False))
     print("\n" + "\n".join(report[report.index("## Accuracy (%, 95% interval) and retention"):]))
     print(f"\nwrote {out / 'report.md'} and {out / 'results.json'}")
     dist.close()
     return results
 
 
+EXIT_USER_ERROR = 2  # a problem the user can fix (as argparse's own errors); Ctrl-C exits 130
+
+
 if __name__ == "__main__":
     try:
         main()
     except KvtError as e:
-        sys.exit(f"kvt: {e}")
+        print(f"kvt: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print("kvt: interrupted; run the same command again to resume where it stopped", file=sys.stderr)
+        sys.exit(130)

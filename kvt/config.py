@@ -106,7 +106,18 @@ def config_from_dict(hf, context=None):
     if window and context and window < context:
         raise KvtError(f"config.json: sliding_window {window} is shorter than the context {context}; "
                        "kvt implements full attention only")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "rms_norm_eps")
+    missing = [key for key in required if c.get(key) is None]
+    if missing:
+        raise KvtError(f"config.json: {', '.join(map(repr, missing))} missing or null; use the config.json that came "
+                       f"with the {arch} checkpoint")
+    for key in required[:-1] + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = c.get(key)
+        if key in c and v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise KvtError(f"config.json: {key} is {v!r}; it must be a positive integer")
     n_heads = c["num_attention_heads"]
+    if n_heads % (c.get("num_key_value_heads") or n_heads):
+        raise KvtError(f"config.json: {n_heads} attention heads do not split into {c['num_key_value_heads']} KV heads")
     return Config(
         family=family, vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,

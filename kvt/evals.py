@@ -50,15 +50,18 @@ from kvt.model import generate
 
 # ---------------------------------------------------------------------------------------- data
 
-# data file -> how to get it (the Hugging Face data set whose field names we read)
+# data file -> how to get it (the Hugging Face data set whose field names we read), and the fields every row needs
 SOURCES = {
-    "hellaswag/validation.jsonl": 'load_dataset("Rowan/hellaswag", split="validation")',
-    "arc_easy/test.jsonl": 'load_dataset("allenai/ai2_arc", "ARC-Easy", split="test")',
-    "arc_challenge/test.jsonl": 'load_dataset("allenai/ai2_arc", "ARC-Challenge", split="test")',
-    "mmlu/test.jsonl": 'load_dataset("cais/mmlu", "all", split="test")',
-    "mmlu/dev.jsonl": 'load_dataset("cais/mmlu", "all", split="dev")',
-    "gsm8k/test.jsonl": 'load_dataset("openai/gsm8k", "main", split="test")',
-    "coqa/validation.jsonl": 'load_dataset("EleutherAI/coqa", split="validation")',
+    "hellaswag/validation.jsonl": ('load_dataset("Rowan/hellaswag", split="validation")',
+                                   ("ind", "activity_label", "ctx_a", "ctx_b", "endings", "label", "source_id")),
+    "arc_easy/test.jsonl": ('load_dataset("allenai/ai2_arc", "ARC-Easy", split="test")',
+                            ("id", "question", "choices", "answerKey")),
+    "arc_challenge/test.jsonl": ('load_dataset("allenai/ai2_arc", "ARC-Challenge", split="test")',
+                                 ("id", "question", "choices", "answerKey")),
+    "mmlu/test.jsonl": ('load_dataset("cais/mmlu", "all", split="test")', ("subject", "question", "choices", "answer")),
+    "mmlu/dev.jsonl": ('load_dataset("cais/mmlu", "all", split="dev")', ("subject", "question", "choices", "answer")),
+    "gsm8k/test.jsonl": ('load_dataset("openai/gsm8k", "main", split="test")', ("question", "answer")),
+    "coqa/validation.jsonl": ('load_dataset("EleutherAI/coqa", split="validation")', ("id", "story", "questions", "answers")),
 }
 
 
@@ -70,12 +73,25 @@ def default_data_dir():
 def read_jsonl(data_dir, name):
     """The rows of data_dir/name, e.g. name="arc_easy/test.jsonl"."""
     path = Path(data_dir) / name
+    how, fields = SOURCES.get(name, ("load_dataset(...)", ()))
     if not path.exists():
-        how = SOURCES.get(name, "load_dataset(...)")
         raise KvtError(f"missing {path}: write it with `datasets.{how}.to_json('{path}')`, "
                        f"or point --data-dir (or KVT_DATA) at a folder that has it, e.g. ../shared/data")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise KvtError(f"{path}, line {i}: not valid JSON ({e.msg}); fix the line or write the file again")
+            lacks = [k for k in fields if not isinstance(row, dict) or k not in row]
+            if lacks:
+                raise KvtError(f"{path}, line {i}: no field {', '.join(map(repr, lacks))}; write the file again "
+                               f"with `datasets.{how}.to_json(...)`")
+            rows.append(row)
+    return rows
 
 
 @dataclass
@@ -263,8 +279,15 @@ def load_task(name, data_dir, limit=None, seed=0, **options):
     options go to its loader (mmlu: shots=0 for zero-shot; coqa: turns; toy tasks: n, the pool size)."""
     if name not in TASKS:
         raise KvtError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    items = TASKS[name][0](data_dir, **options)
-    assert len({item.id for item in items}) == len(items), f"{name}: item ids repeat"
+    if limit is not None and limit < 1:
+        raise KvtError(f"--limit {limit}: evaluate at least 1 item per task")
+    try:
+        items = TASKS[name][0](data_dir, **options)
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError) as e:  # a field of the wrong form
+        raise KvtError(f"{name}: a row of its data file in {data_dir} is malformed ({type(e).__name__}: {e}); "
+                       "write the file again from the data set named in kvt/evals.py SOURCES")
+    if len({item.id for item in items}) != len(items):
+        raise KvtError(f"{name}: item ids repeat in its data file in {data_dir}; write the file again")
     return [items[i] for i in sample_order([item.stratum for item in items], seed)[:limit]]
 
 

@@ -18,6 +18,7 @@ several); apply then maps layer l there, moving each source layer's KV at most o
 needs it, and the mapped cache's layer l lives there, where the target's layer l will read it. An
 unplaced mapper stays where it was made (the CPU) and every apply would copy its weights over again.
 """
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -209,8 +210,10 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
        group of target layers (target_groups; `group` bounds a pass's memory, see plan.py);
     4. ridge per target layer and kind at `lam`, or (lam=None) at the lambda of ridge.LAMBDAS with the
        best validation R^2.
-    checkpoint: a path prefix; each pass's statistics are saved there and resumed from, refused if made
-    for another `key` (run.py passes the pair's fingerprints and settings).
+    checkpoint: a path prefix; each pass's statistics are saved there (CHECKPOINT.pass1, and
+    CHECKPOINT.pass2-<id of its layers>) and resumed from, or reused by a calibration that needs the same
+    sums (another lambda, k or mapper); refused if made for another `key` (run.py passes what the sums
+    depend on: both checkpoints' weights, the calibration tokens, the statistics' dtype).
     products: dtype of the per-batch statistics products; stats_dtype: dtype of the sums (float32 halves
     their memory); candidates: how many source layers, spread evenly, to select from (default all).
     Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
@@ -241,8 +244,8 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         parts = target_groups(selected, bx, by, layer_group_bound(src_cfg, tgt_cfg, k, group, candidates))
         for i, targets in enumerate(parts):
             union = sorted({l for kind in KINDS for t in targets for l in selected[kind][t].tolist()})
-            name = "pass2" if len(parts) == 1 else f"pass2-{i + 1}of{len(parts)}"
-            stats = run_pass(name, "layer", union, targets)
+            plan_id = hashlib.sha256(json.dumps([union, targets]).encode()).hexdigest()[:8]
+            stats = run_pass(f"pass2-{plan_id}", "layer", union, targets)   # named by what it sums: reusable
             for kind in KINDS:
                 fits[kind].update(ridge.fit_layers(stats, kind, selected[kind], lams))
             del stats
@@ -339,9 +342,10 @@ def save_mapper(mapper, path, dtype=torch.float32):
     os.replace(f"{path}.tmp", path)
 
 
-def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.float32, device="cpu"):
-    """Read a mapper; refuse one fitted for another source, target or tokenizer (fingerprints), one
-    written by another version of kvt, and a file that is not a mapper, each with one line."""
+def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.float32, device="cpu", key=None):
+    """Read a mapper; refuse one fitted for another source, target or tokenizer (fingerprints), for
+    other weights, data or settings (`key`, what the caller made it from: meta["key"]), one written by
+    another version of kvt, and a file that is not a mapper, each with one line."""
     if not os.path.exists(path):
         raise KvtError(f"no mapper at {path}; calibrate one first")
     try:
@@ -353,13 +357,17 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
     if meta.get("format") != FORMAT:
         raise KvtError(f"{path} is not a kvt mapper of this version (format {meta.get('format', 'unknown')}, "
                        f"need {FORMAT}); delete it and calibrate again")
-    for what, cfg, key in (("source", src_cfg, "src_fingerprint"), ("target", tgt_cfg, "tgt_fingerprint")):
-        if cfg is not None and cfg.fingerprint() != meta[key]:
-            raise KvtError(f"mapper {path} was fitted for another {what} model (fingerprint {meta[key]}, this "
+    for what, cfg, entry in (("source", src_cfg, "src_fingerprint"), ("target", tgt_cfg, "tgt_fingerprint")):
+        if cfg is not None and cfg.fingerprint() != meta[entry]:
+            raise KvtError(f"mapper {path} was fitted for another {what} model (fingerprint {meta[entry]}, this "
                            f"one {cfg.fingerprint()}); recalibrate for this pair or pass its own mapper")
     if tokenizer and meta["tokenizer"] and tokenizer != meta["tokenizer"]:
         raise KvtError(f"mapper {path} was fitted with another tokenizer ({meta['tokenizer']}, this one "
                        f"{tokenizer}); recalibrate for this pair")
+    made_from = json.loads(meta["meta"]).get("key")
+    if key is not None and made_from != key:
+        raise KvtError(f"mapper {path} was made from other weights, data or settings ({made_from}, not {key}); "
+                       "delete it to calibrate again")
     t = {name: x.to(dtype) if x.is_floating_point() else x for name, x in t.items()}
     mlp = {kind: {name.split(".")[-1]: x for name, x in t.items() if name.startswith(f"{kind}.mlp.")}
            for kind in KINDS}

@@ -115,8 +115,12 @@ class Transformer(nn.Module):
         positions (B, T) long: RoPE positions of these tokens (default: count on from the cache);
         last: compute logits for the last position only (all a server needs after prefill).
         Returns logits (B, T, V) (or (B, 1, V)) and a new Cache holding the old slots plus these T."""
+        prefill = cache is None or not len(cache)
+        check_ids(input_ids, self.config.vocab_size, values=prefill)  # the values (a device sync) at prefill only
         B, T = input_ids.shape
         dev = input_ids.device
+        if cache is not None:
+            check_cache(cache, self.config, B)
         cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
         mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
         if cache.positions.shape[1]:  # next position: one past the last real slot of each row
@@ -155,6 +159,35 @@ class Transformer(nn.Module):
         return logits, Cache(keys, values, positions, key_mask, qs if queries else None)
 
 
+def check_ids(ids, vocab_size, values=True):
+    """Token ids must be a (B, T) integer tensor with B, T >= 1 and (values=True) every id in the
+    vocabulary; else a KvtError that says what to pass."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8):
+        what = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise KvtError(f"input_ids must be integer token ids (a torch.long tensor), not {what}")
+    if ids.dim() != 2 or 0 in ids.shape:
+        raise KvtError(f"input_ids must have shape (batch, tokens), both at least 1, not {tuple(ids.shape)}; "
+                       "for one sequence pass ids[None]")
+    if values:
+        lo, hi = ids.min().item(), ids.max().item()
+        if lo < 0 or hi >= vocab_size:
+            raise KvtError(f"token id {hi if hi >= vocab_size else lo} is outside the model's vocabulary of "
+                           f"{vocab_size}; encode with this model's tokenizer")
+
+
+def check_cache(cache, cfg, batch):
+    """A cache to continue from must come from a model of this shape (layers, KV heads, head dim) and
+    hold as many rows as the input; else a KvtError that says what differs."""
+    have = next((k for k in cache.keys if k is not None), None)
+    shape = None if have is None else (have.shape[1], have.shape[3])
+    if len(cache.keys) != cfg.n_layers or (shape is not None and shape != (cfg.n_kv_heads, cfg.head_dim)):
+        raise KvtError(f"the cache has {len(cache.keys)} layers" + (f" of {shape[0]} KV heads x {shape[1]}" if shape else "")
+                       + f", this model {cfg.n_layers} of {cfg.n_kv_heads} x {cfg.head_dim}; map it with a mapper "
+                       "made for this pair (kvt.mapper) before continuing from it")
+    if cache.positions.shape[0] != batch:
+        raise KvtError(f"the cache holds {cache.positions.shape[0]} rows, the input {batch}; pass one row per cached sequence")
+
+
 def _materialize(cfg, dtype, devices):
     """The model's parameters allocated once, in dtype, each part on its device of `devices` (see place;
     uninitialized). A tied lm_head on another device than the embedding gets its own copy."""
@@ -169,9 +202,25 @@ def _materialize(cfg, dtype, devices):
     return model.eval().requires_grad_(False)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def as_dtype(dtype):
+    """A torch dtype from itself or its name ("bfloat16")."""
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in DTYPES:
+            raise KvtError(f"dtype {dtype!r} is not one kvt runs models in; use one of {', '.join(DTYPES)}")
+        return DTYPES[dtype.removeprefix("torch.")]
+    if dtype not in DTYPES.values():
+        raise KvtError(f"dtype {dtype} is not one kvt runs models in; use one of {', '.join(DTYPES)}")
+    return dtype
+
+
 def load_model(path, dtype=torch.float32, device="cpu", context=None, devices=None):
-    """The checkpoint folder `path` (config.json + safetensors) as a Transformer in dtype on device,
-    or split by layers across `devices` (each part allocated where it lives: no device holds it all)."""
+    """The checkpoint folder `path` (config.json + safetensors) as a Transformer in dtype (a torch dtype
+    or its name) on device, or split by layers across `devices` (each part allocated where it lives: no
+    device holds it all)."""
+    dtype = as_dtype(dtype)
     cfg = load_config(path, context)
     model = _materialize(cfg, dtype, devices or [device])
     load_weights(model, path)

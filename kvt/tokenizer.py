@@ -21,11 +21,18 @@ class Tokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.exists():
             raise KvtError(f"no tokenizer.json at {path}; the checkpoint folder should contain one")
-        self.tok = _HFTokenizer.from_file(str(file))
+        try:
+            self.tok = _HFTokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            raise KvtError(f"{file} is not a readable tokenizer.json ({str(e).splitlines()[0][:120]}); download the "
+                           "checkpoint's tokenizer again")
         prefix = self.tok.encode("", add_special_tokens=True).ids  # what the post-processor puts first
         self.bos_id = prefix[0] if prefix else None                 # Llama 3: <|begin_of_text|>; Qwen3: None
         extra = file.with_name("tokenizer_config.json")
-        conf = json.loads(extra.read_text()) if extra.exists() else {}
+        try:
+            conf = json.loads(extra.read_text()) if extra.exists() else {}
+        except json.JSONDecodeError as e:
+            raise KvtError(f"{extra} is not valid JSON ({e}); download the checkpoint's tokenizer files again")
 
         def named(key):  # the id of the token tokenizer_config.json names: "<|im_end|>", {"content": ...} or null
             token = conf.get(key)

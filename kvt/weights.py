@@ -3,7 +3,9 @@
 Each tensor is read from its memory-mapped file straight into the parameter it belongs to, a block
 of rows at a time, cast to the model's dtype on the way: loading never holds a second copy of the
 model, nor of its largest tensor (SmolLM2's embedding is a fifth of the model). Names are the
-checkpoint's own (model.py's modules follow them); the only renames live in `LAYOUTS`.
+checkpoint's own (model.py's modules follow them); the only renames live in `LAYOUTS`. Every tensor
+of the checkpoint is accounted for: one the model lacks, or one the model has and the checkpoint
+does not, is an error naming it, except the parts kvt knowingly leaves aside (`LEFT_ASIDE`).
 """
 import hashlib
 import json
@@ -56,6 +58,11 @@ def _open(file):
         raise KvtError(f"{file} is unreadable or truncated ({e}); download it again")
 
 
+LEFT_ASIDE = (  # tensors kvt knowingly does not load (a checkpoint's other parts); anything else unused is an error
+    "model.vision_tower.", "model.multi_modal_projector.",    # Ministral 3: the image encoder and its projector
+    "vision_tower.", "multi_modal_projector.",                # the same, in the older multimodal layout
+)
+
 LAYOUTS = {  # cfg.prefix -> the (decoder prefix, lm_head name) pairs a checkpoint may use, in order
     "model.": [("model.", "lm_head.weight")],
     "model.language_model.": [("model.language_model.", "lm_head.weight"),            # Ministral 3 on the hub
@@ -78,17 +85,40 @@ def _copy_in_chunks(param, src, chunk_bytes=8 << 20):
         param[i:i + step].copy_(src[i:i + step])
 
 
+def match_tensors(model, files, path):
+    """{parameter name: checkpoint tensor name}, after checking that every tensor is accounted for: none
+    of the model's is missing, and the checkpoint holds none that the config does not describe (extra
+    layers, say) except the parts in LEFT_ASIDE."""
+    found, missing = {}, []
+    for name, _ in model.named_parameters():
+        keys = [k for k in checkpoint_names(model.config, name) if k in files]
+        if keys:
+            found[name] = keys[0]
+        else:
+            missing.append(checkpoint_names(model.config, name)[0])
+    tied = [prefix + "embed_tokens.weight" for prefix, _ in LAYOUTS[model.config.prefix]]
+    used = set(found.values()) | (set(tied) if model.config.tie_embeddings else set())
+    extra = sorted(k for k in files if k not in used and not k.startswith(LEFT_ASIDE)
+                   and not (k.endswith("lm_head.weight") and model.config.tie_embeddings))
+    cfg = model.config
+    if missing:
+        raise KvtError(f"{path}: {len(missing)} tensors that config.json implies are missing from the checkpoint "
+                       f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); config.json says "
+                       f"{cfg.n_layers} layers: is it this checkpoint's config, and is the download complete?")
+    if extra:
+        raise KvtError(f"{path}: the checkpoint holds {len(extra)} tensors config.json does not describe "
+                       f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}); config.json says "
+                       f"{cfg.n_layers} layers: use the config.json that came with these weights")
+    return found
+
+
 @torch.no_grad()
 def load_weights(model, path):
     """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens)."""
     files = shard_files(path)
     handles = {}
-    for name, param in model.named_parameters():
-        keys = [k for k in checkpoint_names(model.config, name) if k in files]
-        if not keys:
-            raise KvtError(f"{path}: tensor {checkpoint_names(model.config, name)[0]} is missing from the "
-                           "checkpoint; is it the right model?")
-        key = keys[0]
+    for name, key in match_tensors(model, files, path).items():
+        param = model.get_parameter(name)
         f = files[key]
         if f not in handles:
             handles[f] = _open(f)

@@ -89,3 +89,18 @@ def calib_of(ids, val=2, diag=2):
     from kvt.data import Calibration
     n = len(ids) - val - diag
     return Calibration(ids[:n], ids[n:n + val], ids[n + val:])
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """Checkpoint folders source/ and twin/: a random tiny model and its function-preserving twin (an
+    exact linear KV map away), sharing one toy tokenizer: run.py end to end in seconds."""
+    from kvt import toy
+    root = tmp_path_factory.mktemp("pair")
+    tok = toy.train_tokenizer(toy.corpus(300))
+    cfg = tiny_config(vocab_size=tok.get_vocab_size(), n_layers=3, dim=96, n_heads=4, head_dim=24, max_seq_len=1024)
+    source = kvt.build_model(cfg, seed=0, std=0.1)
+    for name, model in (("source", source), ("twin", function_preserving_twin(source, seed=1))):
+        kvt.save_model(model, root / name)
+        tok.save(str(root / name / "tokenizer.json"))
+    return root

@@ -165,7 +165,7 @@ def test_lambda_is_picked_per_layer_and_is_tiny_for_an_exact_pair(exact_pair):
 def test_calibration_checkpoints_every_pass_and_reuses_them(exact_pair, tmp_path):
     source, target = exact_pair
     first, _ = calibrate(source, target, CALIB, scope="layer", k=2, checkpoint=tmp_path / "stats", progress=False)
-    assert (tmp_path / "stats.pass1").exists() and (tmp_path / "stats.pass2").exists()
+    assert (tmp_path / "stats.pass1").exists() and len(list(tmp_path.glob("stats.pass2-*"))) == 1
     again, _ = calibrate(source, target, CALIB, scope="layer", k=2, checkpoint=tmp_path / "stats", progress=False)
     for name, t in first.tensors().items():
         assert torch.equal(again.tensors()[name], t), name
@@ -179,7 +179,7 @@ def test_layer_scope_split_into_groups_fits_the_same_mapper(exact_pair, tmp_path
     whole, _ = calibrate(source, target, CALIB, scope="layer", k=2, lam=1e-3, progress=False)
     split, _ = calibrate(source, target, CALIB, scope="layer", k=2, lam=1e-3, group=1,
                          checkpoint=tmp_path / "stats", progress=False)
-    assert len(list(tmp_path.glob("stats.pass2-*of*"))) >= 2
+    assert len(list(tmp_path.glob("stats.pass2-*"))) >= 2
     for kind in "kv":
         assert torch.equal(split.layers[kind], whole.layers[kind])
         assert_close(split.W[kind], whole.W[kind], f"{kind} W split vs whole", atol=1e-6)

@@ -8,24 +8,14 @@ import torch
 
 import kvt
 import run
-from kvt import toy
-from tests.conftest import function_preserving_twin, tiny_config
 
 ARGS = ["--tasks", "toy_recall,toy_count", "--limit", "12", "--calib-seqs", "20", "--calib-len", "48", "--k", "2",
         "--lam", "1e-6", "--no-bench"]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A random tiny model, its function-preserving twin (an exact linear KV map away), one tokenizer."""
-    root = tmp_path_factory.mktemp("pair")
-    tok = toy.train_tokenizer(toy.corpus(300))
-    cfg = tiny_config(vocab_size=tok.get_vocab_size(), n_layers=3, dim=96, n_heads=4, head_dim=24, max_seq_len=1024)
-    source = kvt.build_model(cfg, seed=0, std=0.1)
-    for name, model in (("source", source), ("twin", function_preserving_twin(source, seed=1))):
-        kvt.save_model(model, root / name)
-        tok.save(str(root / name / "tokenizer.json"))
-    return root
+def pair(tiny_pair):
+    return tiny_pair
 
 
 def per_item(results_dir, name):
