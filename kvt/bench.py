@@ -26,9 +26,50 @@ import torch
 from tqdm import tqdm
 
 from kvt.config import parse_pair, shape
+from kvt.handoff import take_over
 from kvt.mapper import Mapper
-from kvt.model import build_model, layer_devices
+from kvt.model import Transformer, build_model, layer_devices
 from kvt.stats import KINDS
+
+
+def n_params(cfg):
+    """Parameters of a model shape, counted on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def prefill_flops(cfg, T):
+    """FLOPs of a prefill of T tokens with logits for the last position only (model(ids, last=True)):
+    2 per weight per token, plus attention's q.k and p.v over the causal half, plus one output row."""
+    embed = cfg.vocab_size * cfg.dim
+    per_token = n_params(cfg) - embed * (1 if cfg.tie_embeddings else 2)  # what each token multiplies through
+    attention = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * T
+    return 2 * per_token * T + attention + 2 * embed
+
+
+def transfer_flops(tgt, mapper_params, T):
+    """FLOPs of a handoff of T tokens to a target of shape tgt: the map for T - 1 tokens (2 per weight of
+    the mapper, mapper.n_params(): its W, and its MLP if it has one), then the target's last token,
+    which attends over T slots."""
+    return 2 * mapper_params * (T - 1) + prefill_flops(tgt, 1) + 4 * tgt.n_layers * tgt.n_heads * tgt.head_dim * T
+
+
+def hardware(device="cpu"):
+    """The processor a table was measured on, in words: a GPU's name, or the CPU's model, its vector
+    unit as torch sees it, whether it has bf16 instructions (avx512_bf16, amx_bf16) and the threads used."""
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    flags, name = set(), "unknown CPU"
+    try:
+        info = open("/proc/cpuinfo").read()
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        flags = set(next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")))
+    except (OSError, StopIteration):
+        pass
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return (f"{name}, {torch.backends.cpu.get_cpu_capability()}, bf16 units: {' + '.join(bf16) if bf16 else 'none'}, "
+            f"{torch.get_num_threads()} threads, torch {torch.__version__}")
 
 
 def random_mapper(src_cfg, tgt_cfg, scope="layer", k=8, dtype=torch.float32, device="cpu", seed=0):
@@ -86,11 +127,10 @@ def prefills(model, ids, lengths, repeats, name=""):
     return times, model(ids[:, :-1], last=True)[1]
 
 
-@torch.no_grad()
 def transfer_step(target, mapper, cache, ids, n):
-    """The timed part of a handoff of ids[:, :n]: map the source's cache of the first n - 1 tokens (a crop
-    of `cache`), then the target runs token n itself. Returns its logits and cache, as handoff does."""
-    return target(ids[:, n - 1:n], cache=mapper.apply(cache.crop(0, n - 1)))
+    """The timed part of a handoff of ids[:, :n]: handoff.take_over on the source's cache of the first
+    n - 1 tokens (a crop of `cache`), the target running token n itself. Returns its logits and cache."""
+    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n])
 
 
 @torch.no_grad()
@@ -104,13 +144,18 @@ def transfers(target, mapper, cache, ids, lengths, repeats, name=""):
 
 
 def rows(prefill, transfer, mappers, device):
-    """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}}."""
+    """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}}.
+    flop_limit: the speedup if both sides ran at the same FLOP rate (prefill_flops / transfer_flops)."""
     out = []
     for n in next(iter(prefill.values())):
         for (src, tgt), t in transfer.items():
+            m = mappers[src, tgt]
+            limit = prefill_flops(m.tgt_cfg, n) / transfer_flops(m.tgt_cfg, m.n_params(), n)
+            speedup = prefill[tgt][n] / t[n]
             out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
-                        "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": prefill[tgt][n] / t[n],
-                        "mapper_mb": mappers[src, tgt].nbytes() / 2**20, "peak_gb": peak_memory_gb(device)})
+                        "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": speedup,
+                        "flop_limit": limit, "of_limit": speedup / limit, "mapper_mb": m.nbytes() / 2**20,
+                        "peak_gb": peak_memory_gb(device)})
     return out
 
 
@@ -143,11 +188,12 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
 
 def format_rows(rows):
     """A markdown table of bench rows."""
-    out = ["| direction | tokens | source prefill s | target prefill s | transfer s | speedup | mapper MB |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| direction | tokens | source prefill s | target prefill s | transfer s | speedup | FLOP limit | reached | mapper MB |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {r['target_prefill_s']:.3f} "
-                   f"| {r['transfer_s']:.3f} | {r['speedup']:.1f}x | {r['mapper_mb']:.1f} |")
+                   f"| {r['transfer_s']:.3f} | {r['speedup']:.1f}x | {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
+                   f"| {r['mapper_mb']:.1f} |")
     return "\n".join(out)
 
 
@@ -171,8 +217,8 @@ def main(argv=None):
         table = bench_lean(build, names, fwd, back, lengths, args.repeats)
     else:
         table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names)
-    print(f"{args.pair}, {args.dtype} on {args.device}, {torch.get_num_threads()} CPU threads, "
-          f"median of {args.repeats} after a warm-up{', one model at a time' if args.lean else ''}; "
+    print(f"{args.pair}, {args.scope} scope, k={args.k}, {args.dtype} on {hardware(args.device)}; median of "
+          f"{args.repeats} after a warm-up{', one model at a time' if args.lean else ''}; "
           f"peak memory {max(r['peak_gb'] for r in table):.1f} GiB")
     print(format_rows(table))
 

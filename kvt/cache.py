@@ -4,6 +4,16 @@ For every layer l it holds keys[l] and values[l] of shape (B, Hkv, T, D). Keys a
 as a serving engine stores them, so each key carries its position; `positions` records those
 positions and `mask` which slots hold real tokens (False marks left padding). A transfer produces
 exactly this object for the target model, which then simply continues from it.
+
+Who owns the memory. keys[l] may be a view: select, expand and crop return caches that share
+storage with the original (scoring n continuations of one context, or a prefix of a longer cache,
+costs no copy), so nothing may write into a cache's tensors in place unless it owns them. reserve(n)
+makes a cache that does: its tensors are the first T slots of buffers of T + n slots, `room` slots
+beyond them are free, and the model appends a step's keys and values there in place (the gpt-fast
+way) instead of concatenating, which would copy all T slots at every step of a decode. Such a cache is
+used once: continue from the cache each step returns (generate does), since a second step from the
+same one would write into the same free slots. Every other cache has room 0, and the model then
+concatenates into new tensors, leaving the old ones untouched.
 """
 from dataclasses import dataclass
 
@@ -17,6 +27,8 @@ class Cache:
     positions: torch.Tensor  # (B, T) long
     mask: torch.Tensor       # (B, T) bool, True = real token
     queries: list | None = None  # L x (B, H, T, D) post-RoPE queries, only when asked for (diagnostics)
+    room: int = 0       # free slots this cache owns after its T (reserve); 0: it owns no spare memory
+    full: bool = False  # known to hold no padding (mask all True), so decode needs no attention mask
 
     def __len__(self):
         return self.positions.shape[1]
@@ -27,10 +39,11 @@ class Cache:
         return self.mask.sum(1)
 
     def _map(self, fn, time_fn=None):
-        """A new Cache with fn applied to every tensor (keys/values/queries on dim 0 and 2, the rest on 0/1)."""
+        """A new Cache with fn applied to every tensor (keys/values/queries on dim 0 and 2, the rest on 0/1).
+        It owns no room: its tensors may be views of this cache's."""
         queries = None if self.queries is None else [fn(q) for q in self.queries]
         return Cache([fn(k) for k in self.keys], [fn(v) for v in self.values],
-                     (time_fn or fn)(self.positions), (time_fn or fn)(self.mask), queries)
+                     (time_fn or fn)(self.positions), (time_fn or fn)(self.mask), queries, 0, self.full)
 
     def select(self, idx):
         """Rows idx of the batch."""
@@ -50,8 +63,28 @@ class Cache:
             return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
         return self._map(move)
 
+    def reserve(self, n):
+        """A copy that owns room for n more slots per layer: the model then appends in place."""
+        def grow(t):                                                   # (B, Hkv, T, D) -> view of (B, Hkv, T + n, D)
+            buf = t.new_empty(t.shape[0], t.shape[1], t.shape[2] + n, t.shape[3])
+            buf[:, :, :t.shape[2]] = t
+            return buf[:, :, :t.shape[2]]
+        return Cache([grow(k) for k in self.keys], [grow(v) for v in self.values], self.positions, self.mask,
+                     None, n, self.full)
+
+
+def append(past, new, room):
+    """past (B, Hkv, T, D) followed by new (B, Hkv, t, D): written in place into past's buffer when the
+    cache owns room for it (see the module docstring), else concatenated into a new tensor."""
+    T, t = past.shape[2], new.shape[2]
+    if room >= t:  # past is the first T slots of a longer buffer: the same strides, T + t long, reach into it
+        whole = past.as_strided((*past.shape[:2], T + t, past.shape[3]), past.stride(), past.storage_offset())
+        whole[:, :, T:] = new                                          # k_out[:, :, input_pos] = k_val
+        return whole
+    return torch.cat([past, new], dim=2)
+
 
 def empty(n_layers, batch, device=None):
     """A cache with no slots yet."""
     none = torch.empty(batch, 0, dtype=torch.long, device=device)
-    return Cache([None] * n_layers, [None] * n_layers, none, none.bool())
+    return Cache([None] * n_layers, [None] * n_layers, none, none.bool(), full=True)

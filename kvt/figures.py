@@ -95,7 +95,7 @@ def main(argv=None):
     ap.add_argument("--calib-seqs", type=int, default=40)
     ap.add_argument("--calib-len", type=int, default=256)
     ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--lam", type=float, default=0.01)
+    ap.add_argument("--lam", type=float, help="ridge lambda (default: the best per target layer on validation data)")
     ap.add_argument("--kind", choices=["k", "v"], nargs="+", default=["k", "v"])
     ap.add_argument("--values", action="store_true", help="print R^2 numbers instead of shades")
     ap.add_argument("--png", help="also write the map(s) to this PNG (one file per kind: NAME-k.png, NAME-v.png)")
@@ -116,22 +116,23 @@ def main(argv=None):
         tok = kvt.load_tokenizer(tgt_dir)
         check_same_tokenizer(kvt.load_tokenizer(src_dir), tok)
         if args.calib:
-            ids = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len)
+            calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len)
         elif src_name.startswith("toy-"):  # toy documents the family was not trained on (seed 0), as run.py
-            ids = calibration_sequences(None, tok, args.calib_seqs, args.calib_len, documents=toy.corpus(2000, seed=99))
+            calib = calibration_sequences(None, tok, args.calib_seqs, args.calib_len, documents=toy.corpus(2000, seed=99))
         else:
             raise KvtError(f"{src_name} is not a toy model: pass calibration text with --calib, "
                            "e.g. ../shared/data/calib/wikitext-2")
         source = kvt.load_model(src_dir, device=args.device)
         target = kvt.load_model(tgt_dir, device=args.device)
         matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (target.config.n_kv_heads, target.config.head_dim)
-        mapper, report = calibrate(source, target, ids, "head" if matched else "layer", k=args.k, lam=args.lam,
+        mapper, report = calibrate(source, target, calib, "head" if matched else "layer", k=args.k, lam=args.lam,
                                    progress=False)
     except KvtError as e:
         sys.exit(f"kvt: {e}")
     src_layers = list(range(src_cfg.n_layers))
-    print(f"{src_name} -> {tgt_name}: held-out R^2 of each target layer fitted from one source layer "
-          f"({args.calib_seqs} x {args.calib_len} calibration tokens, lambda {args.lam}); "
+    print(f"{src_name} -> {tgt_name}: validation R^2 of each target layer fitted from one source layer "
+          f"({args.calib_seqs} x {args.calib_len} calibration tokens, lambda "
+          f"{args.lam if args.lam else 'the best of ridge.LAMBDAS per pair of layers'}); "
           f"* = the k={mapper.meta['k']} layers selection keeps")
     for kind in args.kind:
         r2, sel = report["r2_single"][kind], mapper.layers[kind]

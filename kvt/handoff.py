@@ -32,9 +32,17 @@ def handoff(source, target, mapper, ids, mask=None):
     if ids.shape[1] == 1:  # nothing to hand over
         return target(ids, mask=mask)
     _, src_cache = source(ids[:, :-1], mask=None if mask is None else mask[:, :-1], last=True)
+    return take_over(target, mapper, src_cache, ids[:, -1:], None if mask is None else mask[:, -1:])
+
+
+@torch.no_grad()
+def take_over(target, mapper, src_cache, last_ids, last_mask=None):
+    """The target's side of a handoff (what kvt.bench times): map the source's cache of the first T - 1
+    prompt tokens into a cache of the target's, with room for one more slot, and run the last prompt
+    token (B, 1) on it, appending its K and V in place. Returns (logits (B, 1, V), Cache of T slots)."""
     dtype, device = _dtype_device(target)
-    cache = mapper.apply(src_cache, devices=layer_devices(target)).to(dtype=dtype)
-    return target(ids[:, -1:].to(device), cache=cache, mask=None if mask is None else mask[:, -1:].to(device))
+    cache = mapper.apply(src_cache, devices=layer_devices(target), dtype=dtype, room=1)
+    return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device))
 
 
 def r2(pred, true):
@@ -84,7 +92,7 @@ def diagnose(source, target, mapper, ids, cuts=4):
     for seq in ids:
         _, src = source(seq[None].to(next(source.parameters()).device), last=True)
         own_logits, true = target(seq[None].to(device), queries=True)
-        mapped = mapper.apply(src, devices=layer_devices(target)).to(dtype=dtype)
+        mapped = mapper.apply(src, devices=layer_devices(target), dtype=dtype)
         for l in range(L):
             k_true, k_map = (rope.strip(k, true.positions.to(k.device), inv, scale)
                              for k in (true.keys[l], mapped.keys[l]))

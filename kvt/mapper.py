@@ -50,24 +50,26 @@ class Mapper:
     meta: dict = field(default_factory=dict)  # k, lambda, tokenizer fingerprint, diagnostics...
 
     @torch.no_grad()
-    def apply(self, src_cache, positions=None, devices=None):
+    def apply(self, src_cache, positions=None, devices=None, dtype=None, room=0):
         """The target's Cache for a source Cache (post-RoPE keys, as a serving engine holds them).
 
         positions (B, T) long: where the target's RoPE puts the mapped keys (default: the source's).
         devices: where to map and keep each target layer (e.g. layer_devices(target)); default: where
         place() put the mapper's weights, or else the source cache's device. Positions and mask go to
         devices[0], beside the target's embedding. Computes in the mapper's dtype (float32 unless moved
-        with .to) and returns the cache in the source cache's dtype."""
+        with .to) and returns the cache in `dtype` (default: the source cache's). room: slots the new
+        cache owns after its T (cache.reserve), so the target's next step appends in place (handoff
+        asks for 1: the last prompt token)."""
         s, t = self.src_cfg, self.tgt_cfg
         B, T = src_cache.positions.shape
         pos = src_cache.positions if positions is None else positions
         devices = [torch.device(d) for d in devices or self.devices(src_cache.keys[0].device)]
-        dtype, out_dtype = self.W["k"][0].dtype, src_cache.keys[0].dtype
-        src_rope = rotation(s, src_cache.positions, dtype, inverse=True)     # device -> (cos, sin), = rope.strip
-        xs = {"k": [layer_features(rope.rotate(k.to(dtype), *src_rope(k.device)), self.scope)
-                    for k in src_cache.keys],                                # Ls x (G, N, Bx), on the source's devices
-              "v": [layer_features(v.to(dtype), self.scope) for v in src_cache.values]}
-        tgt_rope = rotation(t, pos, dtype)
+        dtype, out_dtype = self.W["k"][0].dtype, dtype or src_cache.keys[0].dtype
+        src_rope, tgt_rope = rotation(s, src_cache.positions, dtype, inverse=True), rotation(t, pos, dtype)
+        used = {kind: sorted(set(self.layers[kind].flatten().tolist())) for kind in KINDS}  # source layers read
+        xs = {"k": {l: layer_features(rope.rotate(src_cache.keys[l].to(dtype), *src_rope(src_cache.keys[l].device)),
+                                      self.scope) for l in used["k"]},       # RoPE stripped: (G, N, Bx) each
+              "v": {l: layer_features(src_cache.values[l].to(dtype), self.scope) for l in used["v"]}}
         keys, values = [None] * t.n_layers, [None] * t.n_layers
         for d in dict.fromkeys(devices):                                     # each device once, in layer order
             here = [l for l in range(t.n_layers) if devices[l] == d]
@@ -76,9 +78,14 @@ class Mapper:
                 x = {src: xs[kind][src].to(d) for src in need}               # each source layer moved once to d
                 for l in here:
                     y = unfeatures(self.map_layer(kind, l, x), self.scope, B, T, t.n_kv_heads, t.head_dim)
-                    y = rope.rotate(y, *tgt_rope(d)) if kind == "k" else y.contiguous()  # the target's RoPE on keys
-                    out[l] = y.to(out_dtype)                                 # (B, Hkv, T, D)
-        return Cache(keys, values, pos.to(devices[0]).clone(), src_cache.mask.to(devices[0]).clone())
+                    buf = torch.empty(B, t.n_kv_heads, T + room, t.head_dim, dtype=out_dtype, device=d)
+                    out[l] = buf[:, :, :T]                                   # (B, Hkv, T, D), room slots after it
+                    if kind == "k":
+                        rope.rotate(y, *tgt_rope(d), out=out[l])             # the target's RoPE, written in place
+                    else:
+                        out[l].copy_(y)
+        return Cache(keys, values, pos.to(devices[0]).clone(), src_cache.mask.to(devices[0]).clone(), room=room,
+                     full=src_cache.full)
 
     def map_layer(self, kind, l, xs):
         """Target layer l's K or V from the source layers' features xs[src] (G, N, Bx) (a list over all

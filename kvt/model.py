@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvt import rope
-from kvt.cache import Cache, empty
+from kvt.cache import Cache, append, empty
 from kvt.config import Config, KvtError, load_config, shape
 from kvt.weights import load_weights
 
@@ -45,7 +45,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.norm_eps)
         self.H, self.Hkv, self.D = H, Hkv, D
 
-    def forward(self, x, cos, sin, temperature, past_k, past_v, attn_mask):
+    def forward(self, x, cos, sin, temperature, past_k, past_v, attn_mask, room=0):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.D)     # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.Hkv, self.D)   # (B, T, Hkv, D)
@@ -56,9 +56,10 @@ class Attention(nn.Module):
         q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)           # <-- difference 2 (in cos, sin)
         if temperature is not None:                                         # <-- difference 3: Ministral 3
             q = q * temperature.to(q.dtype)
-        if past_k is not None:  # the cache update: append this step's keys and values
-            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # (B, Hkv, S, D)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+        if past_k is not None:  # the cache update: append this step's keys and values (in place with room)
+            k, v = append(past_k, k, room), append(past_v, v, room)        # (B, Hkv, S, D)
+        causal = attn_mask is None and past_k is None                       # a plain prefill
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
                                            enable_gqa=self.H != self.Hkv)   # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.H * self.D)               # (B, T, H*D)
         return self.o_proj(y), q, k, v
@@ -122,7 +123,7 @@ class Transformer(nn.Module):
         if cache is not None:
             check_cache(cache, self.config, B)
         cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
-        mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
+        mask_given, mask = mask, mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
         if cache.positions.shape[1]:  # next position: one past the last real slot of each row
             start = cache.positions.masked_fill(~cache.mask, -1).amax(1, keepdim=True) + 1  # (B, 1)
         else:
@@ -132,8 +133,9 @@ class Transformer(nn.Module):
         if len(positions[0]) > self.config.max_seq_len:
             raise KvtError(f"context of {len(positions[0])} tokens exceeds the model's "
                            f"max_position_embeddings {self.config.max_seq_len}; shorten it")
-        attn_mask = None  # None: plain causal prefill, the fast path
-        if len(cache) or not mask.all():
+        full = cache.full and mask_given is None               # no padding anywhere: known without a sync
+        attn_mask = None  # None: a plain causal prefill, or one new token seeing every slot (decode)
+        if not full or (len(cache) and T > 1):
             S = positions.shape[1]
             i = torch.arange(len(cache), S, device=dev)[:, None]   # (T, 1) query slots
             j = torch.arange(S, device=dev)[None]                  # (1, S) key slots
@@ -149,14 +151,15 @@ class Transformer(nn.Module):
             x = x.to(d)
             m = attn_mask.to(d) if attn_mask is not None else None
             t = temperature.to(d) if temperature is not None else None
-            x, q, k, v = block(x, cos.to(d), sin.to(d), t, cache.keys[l], cache.values[l], m)
+            x, q, k, v = block(x, cos.to(d), sin.to(d), t, cache.keys[l], cache.values[l], m, cache.room)
             keys.append(k)
             values.append(v)
             if queries:  # only when asked: every layer's queries held to the end cost as much as the KV
                 qs.append(q)
         x = self.model.norm(x[:, -1:] if last else x).to(self.lm_head.weight.device)
         logits = self.lm_head(x)                                   # (B, T, V)
-        return logits, Cache(keys, values, positions, key_mask, qs if queries else None)
+        room = cache.room - T if cache.room >= T else 0                # what an in-place append left free
+        return logits, Cache(keys, values, positions, key_mask, qs if queries else None, room, full)
 
 
 def check_ids(ids, vocab_size, values=True):
@@ -244,24 +247,25 @@ def build_model(cfg, dtype=torch.float32, device="cpu", seed=0, std=0.02):
 @torch.no_grad()
 def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=None):
     """Greedy decoding from a prefilled state: `logits` (B, V) are the last position's, `cache` holds
-    the context. Stops a row at a token in stop_ids or once decode(row tokens) contains a stop string.
+    the context (it is not modified: decoding appends to a copy that owns room for every new token).
+    Stops a row at a token in stop_ids or once decode(row tokens) contains a stop string.
     Returns a list of B token lists, without the stop token; a stop string stays in the text (callers cut it)."""
     B = logits.shape[0]
     out = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool)
-    for _ in range(max_new_tokens):
+    done = [False] * B
+    cache = cache.reserve(max(0, max_new_tokens - 1))              # one copy now, none per step
+    for step in range(max_new_tokens):
         nxt = logits.argmax(-1)                                    # (B,)
-        for b in range(B):
+        for b, tok in enumerate(nxt.tolist()):                     # one device sync per step
             if done[b]:
                 continue
-            tok = nxt[b].item()
             if tok in stop_ids:
                 done[b] = True
                 continue
             out[b].append(tok)
             if stop and decode and any(s in decode(out[b]) for s in stop):
                 done[b] = True
-        if done.all():
+        if all(done) or step == max_new_tokens - 1:                # the last token needs no forward pass
             break
         logits, cache = model(nxt[:, None], cache=cache)
         logits = logits[:, -1]

@@ -295,13 +295,13 @@ def format_plan(p, cap=None, title="source -> target"):
             (f", calibration {o['calib_batch']} x {o['calib_len']} tokens in {passes} pass{'es' * (passes > 1)}"
              if o["calibrate"] else ""))
     cols = "".join(f"{d:>10}" for d in p.devices)
-    lines = [head, f"{'phase':<20} {'what':<56}{cols}   GiB"]
+    lines = [head, f"{'phase':<20} {'what':<70}{cols}   GiB"]
     for phase, what, where in p.rows:
-        lines.append(f"{phase:<20} {what:<56}" + "".join(f"{where.get(d, 0) / GiB:10.2f}" for d in p.devices))
+        lines.append(f"{phase:<20} {what:<70}" + "".join(f"{where.get(d, 0) / GiB:10.2f}" for d in p.devices))
     need = p.need()
-    lines.append(f"{'need':<20} {'weights + largest phase':<56}" + "".join(f"{need[d] / GiB:10.2f}" for d in p.devices))
+    lines.append(f"{'need':<20} {'weights + largest phase':<70}" + "".join(f"{need[d] / GiB:10.2f}" for d in p.devices))
     if cap:
-        lines.append(f"{'usable':<20} {f'{USABLE:.0%} of each device':<56}" +
+        lines.append(f"{'usable':<20} {f'{USABLE:.0%} of each device':<70}" +
                      "".join(f"{USABLE * cap[d] / GiB:10.2f}" for d in p.devices))
         lines.append("fits" if fits(p, cap) else "does NOT fit")
     return "\n".join(lines)

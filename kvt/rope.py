@@ -88,14 +88,22 @@ def cos_sin(pos, inv_freq, scale, dtype):
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def rotate(x, cos, sin, out=None):
+    """x (B, H, T, D) rotated by precomputed cos_sin (the model computes them once per forward):
+    x * cos + rotate_half(x) * sin, written plane by plane (channels i and i + D/2),
 
+        out[:D/2] = x1 * cos - x2 * sin        out[D/2:] = x2 * cos + x1 * sin
 
-def rotate(x, cos, sin):
-    """x (B, H, T, D) rotated by precomputed cos_sin (the model computes them once per forward)."""
-    return x * cos + _rotate_half(x) * sin
+    in four half-size passes with no concatenated or negated copy of x. out: where to write (a cache
+    buffer, say; any strides, any float dtype); default a new tensor."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]                            # cos_sin repeats each angle for both halves
+    out = torch.empty_like(x) if out is None else out
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=o2).addcmul_(x1, s)
+    return out
 
 
 def apply(x, pos, inv_freq, scale=1.0):
@@ -111,5 +119,4 @@ def strip(y, pos, inv_freq, scale=1.0):
     bf16 caches and in float64 for float64 ones."""
     work = torch.promote_types(y.dtype, torch.float32)
     cos, sin = cos_sin(pos, inv_freq, scale, work)
-    yw = y.to(work)
-    return ((yw * cos - _rotate_half(yw) * sin) / (cos * cos + sin * sin)).to(y.dtype)
+    return (rotate(y.to(work), cos, -sin) / (cos * cos + sin * sin)).to(y.dtype)

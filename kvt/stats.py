@@ -339,8 +339,7 @@ def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None
         if matched:
             U, g = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
             passes = -(-Lt // g)
-            what = (f"layer statistics, {g} target x <= {U} source layers" +
-                    (f" (<= {passes} passes)" if passes > 1 else ""))
+            what = f"layer statistics, {g} target x <={U} source layers" + (f", <={passes} passes" if passes > 1 else "")
             rows.append((what, pass_bytes(G, U * bx, g * by, batch_tokens, size)))
         else:
             rows.append((f"layer statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size)))

@@ -1,10 +1,15 @@
-"""Prefill speed, kvt vs transformers, on the same random weights, side by side in one process.
+"""Prefill and greedy decode speed, kvt vs transformers, on the same random weights, side by side in one process.
 
-    python -m tests.bench_models [--shape qwen3-0.6b] [--tokens 2048] [--repeats 3]
+    python -m tests.bench_models [--shape qwen3-0.6b] [--tokens 1024,2048] [--decode 32] [--dtypes float32,bfloat16]
 
 Both models get identical weights (transformers' modules carry the checkpoint's names, and so do
-kvt's), the same input, a warm-up run, then alternate timed runs; the table reports medians and the
-ratio transformers / kvt (above 1: kvt is faster). transformers is a test dependency only.
+kvt's) and the same input. Prefill: each model reads the whole context (logits for every position,
+as transformers computes them). Decode: from each model's own cache of the context, `--decode` greedy
+tokens, kvt through kvt.generate, transformers through the same loop written on its forward (argmax,
+feed back, its DynamicCache); the cache is rebuilt before each run, untimed. Every measurement is a
+warm-up run, then `--repeats` timed runs alternating between the two; the table gives the medians,
+min and max, and the ratio transformers / kvt (above 1: kvt is faster), with the processor it ran
+on. transformers is a test dependency only.
 """
 import argparse
 import statistics
@@ -14,40 +19,77 @@ import torch
 import transformers as tf
 
 import kvt
+from kvt.bench import hardware
 
 
 def timed(fn):
     start = time.perf_counter()
     fn()
-    return time.perf_counter() - start  # CPU: ops are synchronous; on CUDA add torch.cuda.synchronize()
+    return time.perf_counter() - start  # CPU: ops are synchronous
+
+
+def hf_decode(ref, logits, pkv, steps):
+    """transformers' greedy loop, the same as kvt.generate's: argmax, feed back, `steps` forward calls."""
+    nxt = logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(steps):
+        out = ref(input_ids=nxt, cache=pkv, use_cache=True)
+        nxt, pkv = out.logits[:, -1].argmax(-1, keepdim=True), out.cache
+    return nxt
+
+
+def race(kvt_fn, hf_fn, repeats, kvt_setup=lambda: None, hf_setup=lambda: None):
+    """(kvt seconds, transformers seconds): lists of `repeats` timed runs of fn(setup()) after one
+    warm-up each, the two alternating; the setups are not timed."""
+    runs = {"kvt": [], "hf": []}
+    for i in range(repeats + 1):
+        for name, fn, setup in (("kvt", kvt_fn, kvt_setup), ("hf", hf_fn, hf_setup)):
+            state = setup()
+            t = timed(lambda: fn(state))
+            if i:
+                runs[name].append(t)
+    return runs["kvt"], runs["hf"]
+
+
+def row(what, name, tokens, k, h):
+    mk, mh = statistics.median(k), statistics.median(h)
+    return (f"| {what} | {name} | {tokens} | {mk:.3f} ({min(k):.3f}-{max(k):.3f}) | {mh:.3f} ({min(h):.3f}-{max(h):.3f}) "
+            f"| {mh / mk:.2f} |")
 
 
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", default="2048", help="context lengths, comma-separated")
+    ap.add_argument("--decode", type=int, default=0, help="also time this many greedy tokens after each context")
+    ap.add_argument("--no-prefill", action="store_true", help="time decode only")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, transformers {tf.__version__}, {torch.get_num_threads()} threads")
-    print(f"| shape | dtype | tokens | kvt s | transformers s | transformers / kvt |\n|---|---|---|---|---|---|")
+    print(f"{args.shape}: {hardware()}, transformers {tf.__version__}; median (min-max) of {args.repeats} "
+          "after a warm-up; ratio = transformers / kvt")
+    print("| what | dtype | tokens | kvt s | transformers s | ratio |\n|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         ours = kvt.build_model(args.shape, dtype=dtype, seed=0)
         ref = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**ours.config.to_hf()), dtype=dtype)
         ref.load_state_dict(ours.state_dict(), strict=False)  # a tied lm_head is one tensor in both
         ref.eval()
-        ids = torch.randint(0, ours.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-        assert (ours(ids[:, :64])[0] - ref(ids[:, :64]).logits).abs().max() < 1e-2, "models differ"
-        runs = {"kvt": [], "hf": []}
-        for i in range(args.repeats + 1):  # first round is the warm-up
-            t_kvt, t_hf = timed(lambda: ours(ids)), timed(lambda: ref(ids, use_cache=True))
-            if i:
-                runs["kvt"].append(t_kvt)
-                runs["hf"].append(t_hf)
-        k, h = statistics.median(runs["kvt"]), statistics.median(runs["hf"])
-        print(f"| {args.shape} | {name} | {args.tokens} | {k:.2f} | {h:.2f} | {h / k:.2f} |", flush=True)
+        for T in map(int, args.tokens.split(",")):
+            ids = torch.randint(0, ours.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+            assert (ours(ids[:, :64])[0] - ref(ids[:, :64]).logits).abs().max() < 1e-2, "models differ"
+            if not args.no_prefill:
+                k, h = race(lambda _: ours(ids), lambda _: ref(ids, use_cache=True), args.repeats)
+                print(row("prefill", name, T, k, h), flush=True)
+            if args.decode:
+                steps = args.decode - 1                              # the first token comes from the prefill
+                def hf_state():
+                    out = ref(ids, use_cache=True)
+                    return out.logits, out.cache
+                k, h = race(lambda s: kvt.generate(ours, s[0][:, -1], s[1], args.decode),
+                            lambda s: hf_decode(ref, s[0], s[1], steps), args.repeats,
+                            kvt_setup=lambda: ours(ids, last=True), hf_setup=hf_state)
+                print(row(f"decode {args.decode}", name, T, k, h), flush=True)
         del ours, ref
 
 

@@ -222,3 +222,33 @@ def test_queries_are_kept_only_when_asked(queries):
         _, cache = model(torch.randint(0, 128, (1, 8)), queries=queries)
     assert alive[0][:2] == [queries, queries], alive  # layers 0 and 1, when the final norm runs
     assert (cache.queries is not None) == queries
+
+
+def test_decode_appends_in_place_into_owned_room_and_never_into_views():
+    """Decoding from a reserved cache writes each step's K and V into its buffer (no copy of the T slots
+    before it), one token at a time gives the logits of one prefill, and a view (crop, expand) is never
+    written into. Guards: concatenating at every step (O(T) copies per token), an in-place write into
+    storage a crop or expand shares with another cache, and a decode step that needs an attention
+    mask and gets none."""
+    from tests.conftest import tiny_config
+    model = kvt.build_model(tiny_config(n_layers=2), seed=0, std=0.2)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    want, whole = model(ids)
+    _, cache = model(ids[:, :6])
+    owned = cache.reserve(6)
+    buffer = owned.keys[0].data_ptr()
+    for t in range(6, 12):
+        logits, owned = model(ids[:, t:t + 1], cache=owned)
+        assert_close(logits[:, -1], want[:, t], f"step {t}")
+        assert owned.keys[0].data_ptr() == buffer and owned.room == 11 - t, "the step copied the cache"
+    assert_close(owned.keys[1], whole.keys[1], "keys written in place")
+    before = [k.clone() for k in cache.keys]
+    prefix = owned.crop(0, 8)
+    model(ids[:, 8:10], cache=prefix)                              # a view: it must concatenate, not write
+    assert_close(owned.keys[0][:, :, 8:], whole.keys[0][:, :, 8:], "the owner's slots after a crop was continued")
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys, before)), "reserve changed the cache it copied"
+    padded, pmask = torch.cat([torch.zeros(2, 3, dtype=torch.long), ids[:, :6]], 1), torch.ones(2, 9, dtype=torch.bool)
+    pmask[:, :3] = False                                           # left padding: decode must keep masking it
+    _, pc = model(padded, mask=pmask)
+    logits, _ = model(ids[:, 6:7], cache=pc.reserve(1))
+    assert_close(logits[:, -1], want[:, 6], "a step after left padding")

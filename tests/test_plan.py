@@ -54,7 +54,7 @@ def test_plan_equals_the_closed_form(names, scope):
     assert sum(v for what, v in by.items() if "weights" in what) == rows["weights"]
     assert by[f"head statistics, {src.n_layers} source layers, float64"] == rows["pass 1"]
     if scope == "layer":
-        assert by[f"layer statistics, {tgt.n_layers} target x <= {src.n_layers} source layers, float64"] == rows["pass 2"]
+        assert by[f"layer statistics, {tgt.n_layers} target x <={src.n_layers} source layers, float64"] == rows["pass 2"]
     assert by[f"mapper, {scope} scope, k=8 (float32)"] == rows["mapper"]
     assert p.need()["cuda:0"] == need, f"plan {p.need()['cuda:0'] / GiB:.2f} GiB vs formula {need / GiB:.2f} GiB"
 

@@ -151,6 +151,8 @@ CASES = [
     ("truncated weights", lambda w: argv(w, target=broken_checkpoint(
         w, "trunc", lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:5000]))),
      ["unreadable or truncated", "download it again"]),
+    ("tokenizer beyond the vocabulary", lambda w: argv(w, target=broken_checkpoint(w, "vocab", edit_config(vocab_size=100))),
+     ["more than a model's vocabulary of 100", "use the tokenizer that came with these weights"]),
     ("tokenizer unreadable", lambda w: argv(w, target=broken_checkpoint(w, "badtok", lambda f: (f / "tokenizer.json").write_text("{]"))),
      ["not a readable tokenizer.json", "download"]),
     ("no tokenizer", lambda w: argv(w, target=broken_checkpoint(w, "notok", lambda f: (f / "tokenizer.json").unlink())),
