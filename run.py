@@ -37,7 +37,7 @@ import torch
 
 import kvt
 from kvt import dist, evals, toy
-from kvt.bench import bench, format_rows, random_mapper
+from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.config import KvtError, check_matched_kv, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import diagnose, format_diagnostics, gate
@@ -448,7 +448,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
                    f"points, its drift {num(g['drift']['gap'], '+.2f')} points per turn; transfer scored against the "
                    f"target's own answers: F1 {num(a['mean'], '.1f')}, drift {num(a['drift_per_turn'], '+.2f')} per turn"]
     if rows:
-        report += ["", "## Prefill vs transfer (seconds, median)", "", format_rows(rows)]
+        report += ["", "## Prefill vs transfer (seconds, median)", "", f"{hardware(args.device)}; {dtype}", "",
+                   format_rows(rows)]
     report += ["", f"wall time {time.time() - t0:.0f} s"]
     write_atomic(out / "report.md", "\n".join(report) + "\n")
     settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)

@@ -55,19 +55,34 @@ def transfer_flops(tgt, mapper_params, T):
     return 2 * mapper_params * (T - 1) + prefill_flops(tgt, 1) + 4 * tgt.n_layers * tgt.n_heads * tgt.head_dim * T
 
 
+def bf16_units():
+    """The CPU's bf16 instructions (avx512_bf16, amx_bf16) from /proc/cpuinfo; [] when it has none (bf16
+    matmuls are then emulated, slower than float32) or the flags cannot be read."""
+    try:
+        info = open("/proc/cpuinfo").read()
+        flags = set(next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")))
+    except (OSError, StopIteration):
+        return []
+    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+
+
+def default_dtype(device):
+    """bfloat16 on a GPU or on a CPU with bf16 units, else float32."""
+    return "bfloat16" if torch.device(device).type == "cuda" or bf16_units() else "float32"
+
+
 def hardware(device="cpu"):
     """The processor a table was measured on, in words: a GPU's name, or the CPU's model, its vector
     unit as torch sees it, whether it has bf16 instructions (avx512_bf16, amx_bf16) and the threads used."""
     if torch.device(device).type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    flags, name = set(), "unknown CPU"
+    name = "unknown CPU"
     try:
         info = open("/proc/cpuinfo").read()
         name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        flags = set(next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")))
     except (OSError, StopIteration):
         pass
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    bf16 = bf16_units()
     return (f"{name}, {torch.backends.cpu.get_cpu_capability()}, bf16 units: {' + '.join(bf16) if bf16 else 'none'}, "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}")
 
@@ -205,10 +220,12 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="default: bfloat16 on a GPU or a CPU with bf16 units (bench.bf16_units), else float32")
     ap.add_argument("--lean", action="store_true", help="hold one model at a time (a pair too large for memory)")
     args = ap.parse_args(argv)
     names = parse_pair(args.pair)
+    args.dtype = args.dtype or default_dtype(args.device)
     dtype, lengths = getattr(torch, args.dtype), [int(n) for n in args.lengths.split(",")]
     build = lambda name: build_model(name, dtype=dtype, device=args.device, seed=names.index(name))  # noqa: E731
     fwd = random_mapper(shape(names[0]), shape(names[1]), args.scope, args.k, dtype, args.device)

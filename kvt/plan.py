@@ -204,7 +204,9 @@ def fits(p, cap):
 def check_plan(p, cap):
     """Raise a one-line KvtError when a device would need more than USABLE of its memory `cap[d]`,
     naming the options that would fit: head scope, float32 statistics, fewer candidate source layers,
-    more devices like these (alone, or with the fewest devices that make the others fit)."""
+    more devices like these (alone, or with the fewest devices that make the others fit). Layer-scope
+    statistics are split into passes first (split_to_fit), as run.py does."""
+    p = split_to_fit(p, cap)
     need = p.need()
     over = [d for d in p.devices if need[d] > USABLE * cap[d]]
     if not over:
@@ -223,7 +225,7 @@ def check_plan(p, cap):
 
 def alternatives(p, cap, most=16):
     """Descriptions of the options that make plan p fit, each with the fewest devices it needs."""
-    o = dict(p.options)
+    o = dict(p.options, group=None)
     src_cfg, tgt_cfg = o.pop("src_cfg"), o.pop("tgt_cfg")
     n0, per = len(p.devices), min(cap[d] for d in p.devices)
     grow = all(torch.device(d).type == "cuda" for d in p.devices)  # more devices: more GPUs like these
@@ -232,7 +234,8 @@ def alternatives(p, cap, most=16):
         """The fewest devices (n0 ..) on which the plan with `change` fits, or None."""
         for n in range(n0, (most if grow else n0) + 1):
             devices = [f"cuda:{i}" for i in range(n)] if n > n0 else p.devices
-            if fits(plan(src_cfg, tgt_cfg, **{**o, **change, "devices": devices}), {d: per for d in devices}):
+            caps = {d: per for d in devices}
+            if fits(split_to_fit(plan(src_cfg, tgt_cfg, **{**o, **change, "devices": devices}), caps), caps):
                 return n
         return None
 
@@ -253,7 +256,7 @@ def alternatives(p, cap, most=16):
     if o["calibrate"]:
         C = len(candidate_layers(src_cfg.n_layers, o["candidates"]))
         for c in range(C - 1, max(o["k"], 2) - 1, -1):           # the most candidates that fit these devices
-            if fits(plan(src_cfg, tgt_cfg, **{**o, "candidates": c}), cap):
+            if fits(split_to_fit(plan(src_cfg, tgt_cfg, **{**o, "candidates": c}), cap), cap):
                 out.append(f"--candidates {c}")
                 break
     return out
@@ -273,7 +276,8 @@ def calibration_passes(p):
 
 def split_to_fit(p, cap):
     """The plan with layer-scope statistics split into as few passes as fit `cap` (the largest group of
-    target layers per pass whose statistics fit), or p itself when it fits or splitting cannot help."""
+    target layers per pass whose statistics fit); p itself when it fits or is not layer scope; the most
+    split plan (one target layer a pass) when nothing fits, so what is left to fix shows."""
     o = dict(p.options)
     src_cfg, tgt_cfg = o.pop("src_cfg"), o.pop("tgt_cfg")
     matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
@@ -283,7 +287,7 @@ def split_to_fit(p, cap):
         q = plan(src_cfg, tgt_cfg, **{**o, "group": group})
         if fits(q, cap):
             return q
-    return p
+    return q
 
 
 def format_plan(p, cap=None, title="source -> target"):
