@@ -6,16 +6,26 @@ The source prefills all prompt tokens but the last; the mapped cache gives the t
 the target then runs the last prompt token itself, so its first logits are its own forward pass over
 mapped context (not a mapped hidden state). Then `target(next_ids, cache=cache)` continues as usual.
 
+Selective recompute (kvt's option, beyond the paper; CacheBlend does it within one model): after
+mapping, the target recomputes the K and V of a budget of the mapped slots itself, layer by layer,
+each recomputed token attending to the mapped slots and the recomputed ones before it, and keeps the
+mapped KV elsewhere. Recompute(last=r) takes the r slots before the final token (a wider handoff),
+first=s the first s (attention sinks), frac=f the f*(T-1) slots the source attended to most while
+finishing the prompt (attention_mass). Recomputing every slot is the target's own prefill.
+
 Diagnostics on held-out sequences, and a gate declaring a mapper fit or unfit for use:
   R^2 per layer for K and V (position-free), how much of the target's KV variance the map explains;
   attention-output cosine per layer: the target's own queries attending over mapped vs true KV (the
     paper finds this, not R^2, predicts retention: small key errors can move attention a lot);
   KL(target's own next-token distribution || handoff's) at a few cut points of each sequence.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kvt import rope
+from kvt.config import KvtError
 from kvt.model import layer_devices
 
 
@@ -24,24 +34,69 @@ def _dtype_device(model):
     return p.dtype, p.device
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """Which mapped slots the target recomputes itself (see the module docstring)."""
+    last: int = 0       # the last r slots before the final prompt token
+    first: int = 0      # the first s slots
+    frac: float = 0.0   # this fraction of the slots, those the source attended to most
+
+    def __bool__(self):
+        return bool(self.last or self.first or self.frac)
+
+    def slots(self, n, scores=None):
+        """Ascending slot numbers (LongTensor) among n mapped slots; scores (n,): the source's attention
+        mass per slot, needed when frac > 0."""
+        if min(self.last, self.first, self.frac) < 0 or self.frac > 1:
+            raise KvtError(f"recompute budget {self}: counts must be >= 0 and the fraction within [0, 1]")
+        chosen = set(range(max(0, n - self.last), n)) | set(range(min(self.first, n)))
+        if self.frac:
+            chosen |= set(scores.topk(round(self.frac * n)).indices.tolist())
+        return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def attention_mass(cache, window=32):
+    """(T,) the attention each slot of a batch-1 cache (made with queries=True) receives from the last
+    `window` queries, summed over layers and heads: where the model looked while finishing the prompt."""
+    T = cache.keys[0].shape[2]
+    total = torch.zeros(T, device=cache.keys[0].device)
+    for q, k in zip(cache.queries, cache.keys):                         # (1, H, T, D), (1, Hkv, T, D)
+        q = q[:, :, -window:].float()                                   # (1, H, w, D): the last queries
+        k = k.float().repeat_interleave(q.shape[1] // k.shape[1], 1)     # (1, H, T, D)
+        scores = q @ k.transpose(2, 3) / q.shape[-1] ** 0.5              # (1, H, w, T)
+        later = torch.arange(T, device=q.device)[None] > torch.arange(T - q.shape[2], T, device=q.device)[:, None]
+        total += scores.masked_fill(later, float("-inf")).softmax(-1).sum((0, 1, 2)).to(total.device)
+    return total
+
+
 @torch.no_grad()
-def handoff(source, target, mapper, ids, mask=None):
-    """ids (B, T) long, mask (B, T) bool (False = left padding) or None.
+def handoff(source, target, mapper, ids, mask=None, recompute=Recompute()):
+    """ids (B, T) long, mask (B, T) bool (False = left padding) or None; recompute: a Recompute budget
+    (batch 1 when it selects by attention).
 
     Returns the target's logits for the last prompt token (B, 1, V) and its Cache of T slots."""
     if ids.shape[1] == 1:  # nothing to hand over
         return target(ids, mask=mask)
-    _, src_cache = source(ids[:, :-1], mask=None if mask is None else mask[:, :-1], last=True)
-    return take_over(target, mapper, src_cache, ids[:, -1:], None if mask is None else mask[:, -1:])
+    _, src_cache = source(ids[:, :-1], mask=None if mask is None else mask[:, :-1], last=True,
+                          queries=recompute.frac > 0)
+    slots = None
+    if recompute:
+        scores = attention_mass(src_cache) if recompute.frac > 0 else None
+        slots = recompute.slots(ids.shape[1] - 1, scores)
+    return take_over(target, mapper, src_cache, ids[:, -1:], None if mask is None else mask[:, -1:],
+                     slots, None if slots is None else ids[:, slots])
 
 
 @torch.no_grad()
-def take_over(target, mapper, src_cache, last_ids, last_mask=None):
+def take_over(target, mapper, src_cache, last_ids, last_mask=None, slots=None, slot_ids=None):
     """The target's side of a handoff (what kvt.bench times): map the source's cache of the first T - 1
-    prompt tokens into a cache of the target's, with room for one more slot, and run the last prompt
-    token (B, 1) on it, appending its K and V in place. Returns (logits (B, 1, V), Cache of T slots)."""
+    prompt tokens into a cache of the target's, with room for one more slot, recompute `slots` (their
+    token ids slot_ids (B, n)) with the target when given, and run the last prompt token (B, 1) on it,
+    appending its K and V in place. Returns (logits (B, 1, V), Cache of T slots)."""
     dtype, device = _dtype_device(target)
     cache = mapper.apply(src_cache, devices=layer_devices(target), dtype=dtype, room=1)
+    if slots is not None and len(slots):
+        _, cache = target(slot_ids.to(device), cache=cache, slots=slots.to(device), last=True)
     return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device))
 
 

@@ -45,7 +45,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.norm_eps)
         self.H, self.Hkv, self.D = H, Hkv, D
 
-    def forward(self, x, cos, sin, temperature, past_k, past_v, attn_mask, room=0):
+    def forward(self, x, cos, sin, temperature, past_k, past_v, attn_mask, room=0, slots=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.D)     # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.Hkv, self.D)   # (B, T, Hkv, D)
@@ -56,7 +56,10 @@ class Attention(nn.Module):
         q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)           # <-- difference 2 (in cos, sin)
         if temperature is not None:                                         # <-- difference 3: Ministral 3
             q = q * temperature.to(q.dtype)
-        if past_k is not None:  # the cache update: append this step's keys and values (in place with room)
+        if slots is not None:   # recompute: this pass's own keys and values replace the cached ones there
+            past_k[:, :, slots], past_v[:, :, slots] = k, v
+            k, v = past_k, past_v                                           # (B, Hkv, S, D)
+        elif past_k is not None:  # the cache update: append this step's keys and values (in place with room)
             k, v = append(past_k, k, room), append(past_v, v, room)        # (B, Hkv, S, D)
         causal = attn_mask is None and past_k is None                       # a plain prefill
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
@@ -111,10 +114,14 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None, last=False):
+    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None, last=False, slots=None):
         """input_ids (B, T) long; cache: a Cache to continue from; mask (B, T) bool, False = left padding;
         positions (B, T) long: RoPE positions of these tokens (default: count on from the cache);
         last: compute logits for the last position only (all a server needs after prefill).
+        slots (T,) long, ascending: recompute instead of append. The tokens already hold these slots of
+        `cache`; their own K and V overwrite the cached ones there, in place (the cache must own its
+        memory, as a mapped one does), and each attends to the cache's slots up to its own, the others
+        as cached (selective recompute, handoff.py).
         Returns logits (B, T, V) (or (B, 1, V)) and a new Cache holding the old slots plus these T."""
         prefill = cache is None or not len(cache)
         check_ids(input_ids, self.config.vocab_size, values=prefill)  # the values (a device sync) at prefill only
@@ -124,6 +131,8 @@ class Transformer(nn.Module):
             check_cache(cache, self.config, B)
         cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
         mask_given, mask = mask, mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
+        if slots is not None:
+            return self._recompute(input_ids, cache, slots, queries, last)
         if cache.positions.shape[1]:  # next position: one past the last real slot of each row
             start = cache.positions.masked_fill(~cache.mask, -1).amax(1, keepdim=True) + 1  # (B, 1)
         else:
@@ -142,6 +151,22 @@ class Transformer(nn.Module):
             attn_mask = ((j <= i) & key_mask[:, None]) | (j == i)  # (B, T, S); a pad still sees itself
             attn_mask = attn_mask[:, None]                         # (B, 1, T, S)
 
+        logits, keys, values, qs = self._layers(input_ids, pos, cache, attn_mask, queries, last)
+        room = cache.room - T if cache.room >= T else 0                # what an in-place append left free
+        return logits, Cache(keys, values, positions, key_mask, qs, room, full)
+
+    def _recompute(self, input_ids, cache, slots, queries, last):
+        """forward(slots=...): the tokens at cache slots `slots` run again, writing their K and V there."""
+        S = len(cache)
+        i, j = slots[:, None], torch.arange(S, device=slots.device)[None]          # (T, 1) query, (1, S) key slots
+        attn_mask = (((j <= i) & cache.mask[:, None]) | (j == i))[:, None]        # (B, 1, T, S)
+        logits, keys, values, qs = self._layers(input_ids, cache.positions[:, slots], cache, attn_mask, queries,
+                                                last, slots)
+        return logits, Cache(keys, values, cache.positions, cache.mask, qs, cache.room, cache.full)
+
+    def _layers(self, input_ids, pos, cache, attn_mask, queries, last, slots=None):
+        """Every layer over input_ids at RoPE positions pos (B, T), continuing from cache: (logits, the
+        layers' keys, values, and queries when asked)."""
         x = self.model.embed_tokens(input_ids)                     # (B, T, C)
         cos, sin = rope.cos_sin(pos, self.inv_freq, self.rope_scale, x.dtype)  # (B, 1, T, D)
         temperature = rope.query_temperature(self.config, pos)     # (B, 1, T, 1) or None
@@ -151,15 +176,14 @@ class Transformer(nn.Module):
             x = x.to(d)
             m = attn_mask.to(d) if attn_mask is not None else None
             t = temperature.to(d) if temperature is not None else None
-            x, q, k, v = block(x, cos.to(d), sin.to(d), t, cache.keys[l], cache.values[l], m, cache.room)
+            x, q, k, v = block(x, cos.to(d), sin.to(d), t, cache.keys[l], cache.values[l], m, cache.room,
+                               None if slots is None else slots.to(d))
             keys.append(k)
             values.append(v)
             if queries:  # only when asked: every layer's queries held to the end cost as much as the KV
                 qs.append(q)
         x = self.model.norm(x[:, -1:] if last else x).to(self.lm_head.weight.device)
-        logits = self.lm_head(x)                                   # (B, T, V)
-        room = cache.room - T if cache.room >= T else 0                # what an in-place append left free
-        return logits, Cache(keys, values, positions, key_mask, qs if queries else None, room, full)
+        return self.lm_head(x), keys, values, qs if queries else None     # logits (B, T, V)
 
 
 def check_ids(ids, vocab_size, values=True):

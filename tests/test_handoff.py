@@ -93,3 +93,50 @@ def test_diagnostics_pool_over_sequences_like_one_batch(exact):
     want = [r2(mapped.values[l], true.values[l]) for l in range(3)]
     assert max(abs(a - b) for a, b in zip(d["r2_v"], want)) < 1e-9, (d["r2_v"], want)
     assert min(want) < 0.999
+
+
+def test_recomputing_every_slot_is_the_targets_own_prefill():
+    """Selective recompute of all T-1 mapped slots gives the target's own prefill (within 1e-4), for a
+    map that is far from exact. Guards: recomputed tokens attending to mapped slots after them (a wrong
+    causal mask over slots), K and V written to the wrong slots, or RoPE at the wrong positions."""
+    from kvt.handoff import Recompute
+    source = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=0)
+    target = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=5)     # unrelated: the map alone is poor
+    mapper, _ = calibrate(source, target, CALIB, progress=False)
+    ids = PROMPTS[:1]
+    own, own_cache = target(ids)
+    mapped, _ = handoff(source, target, mapper, ids)
+    assert (mapped[:, -1] - own[:, -1]).abs().max() > 1e-2, "the test needs a map that is not already exact"
+    logits, cache = handoff(source, target, mapper, ids, recompute=Recompute(first=ids.shape[1]))
+    assert_close(logits[:, -1], own[:, -1], "logits after recomputing every slot")
+    for l in range(3):
+        assert_close(cache.keys[l], own_cache.keys[l], f"layer {l} keys after recomputing every slot")
+
+
+def test_recomputing_a_suffix_is_the_target_running_it_from_the_mapped_prefix():
+    """Recompute(last=r) equals the target running the last r + 1 prompt tokens itself on the cache
+    mapped from the first T - r - 1 (a wider handoff). Guards: recomputed slots attending to mapped
+    slots after them, or the suffix written at other positions."""
+    from kvt.handoff import Recompute
+    source = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=0)
+    target = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=5)
+    mapper, _ = calibrate(source, target, CALIB, progress=False)
+    ids, r = PROMPTS[:1], 6
+    logits, cache = handoff(source, target, mapper, ids, recompute=Recompute(last=r))
+    T = ids.shape[1]
+    _, src = source(ids[:, :T - r - 1])
+    want, want_cache = target(ids[:, T - r - 1:], cache=mapper.apply(src))
+    assert_close(logits[:, -1], want[:, -1], "logits after recomputing the suffix")
+    assert_close(cache.values[2], want_cache.values[2], "last layer values")
+
+
+def test_recompute_budgets_pick_the_slots_they_name():
+    from kvt.handoff import Recompute, attention_mass
+    scores = torch.tensor([0.1, 5.0, 0.2, 3.0, 0.3, 0.0, 0.4, 0.5, 0.6, 0.7])
+    assert Recompute(last=2).slots(10).tolist() == [8, 9]
+    assert Recompute(first=1, last=1).slots(10).tolist() == [0, 9]
+    assert Recompute(frac=0.2).slots(10, scores).tolist() == [1, 3]
+    model = kvt.build_model(tiny_config("qwen3", n_layers=2), seed=0)
+    _, cache = model(PROMPTS[:1], queries=True)
+    mass = attention_mass(cache, window=4)
+    assert mass.shape == (30,) and abs(mass.sum().item() - 2 * 4 * 4) < 1e-3  # 2 layers x 4 heads x 4 queries, each sums to 1
