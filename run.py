@@ -17,18 +17,21 @@ Steps, each a call into one kvt stage:
      (mapper.calibrate), saved to OUT/mapper-<settings>.safetensors and reused when it exists;
      `--mapper mlp` swaps ridge for the paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
   3. diagnostics on the diagnostics region and the gate (handoff.py);
-  4. every task under target / transfer / source / floor (evals.py) on one seeded sample of items,
-     one record per item and condition appended to OUT/records-<settings>.jsonl as it is computed, so
-     an interrupted run resumes;
+  4. every task (tasks.py; --task-file adds the user's own) under target / transfer / source / floor
+     (evals.py) on one seeded sample of items, one record per item and condition appended to
+     OUT/records-<settings>.jsonl as it is computed, so an interrupted run resumes;
   5. prefill vs transfer timings (bench.py);
-  6. OUT/results.json and OUT/report.md, and the tables on stdout.
+  6. OUT/results.json (kvt's numbers, the same in lm-evaluation-harness's layout per condition under
+     "lm_eval", and the versions and hardware behind them) and OUT/report.md, and the tables on stdout.
 A problem the user can fix is one line on stderr and exit code 2.
 """
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 
 import kvt
-from kvt import dist, evals, toy
+from kvt import dist, evals, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.config import KvtError, check_matched_kv, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
@@ -46,6 +49,7 @@ from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
 from kvt.plan import capacity, check_plan, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
+from kvt.summary import CORPUS, average_retention, coqa_agreement, coqa_turns, lm_eval_results, summarize
 from kvt.weights import fingerprint
 
 ROOT = Path(__file__).resolve().parent
@@ -62,7 +66,7 @@ def parse_args(argv=None):
     ap.add_argument("--source", type=Path, help="source checkpoint folder (instead of --pair)")
     ap.add_argument("--target", type=Path, help="target checkpoint folder (instead of --pair)")
     ap.add_argument("--weights", type=Path, default=ROOT / "weights")
-    ap.add_argument("--data-dir", type=Path, default=Path(evals.default_data_dir()), help="task data ($KVT_DATA)")
+    ap.add_argument("--data-dir", type=Path, default=Path(tasks.default_data_dir()), help="task data ($KVT_DATA)")
     ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: DATA/calib/wikitext-2 "
                     "and DATA/calib/gutenberg; the toy corpus for toy pairs)")
     ap.add_argument("--calib-seqs", type=int, help="fit sequences (paper: 500; toy default 200), plus a tenth for "
@@ -78,6 +82,9 @@ def parse_args(argv=None):
                     help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
                     "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
     ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS})")
+    ap.add_argument("--task-file", type=Path, action="append", default=[],
+                    help="a Python file of your own tasks (kvt.tasks.Task), imported before --tasks is read; "
+                    "repeat for several")
     ap.add_argument("--limit", type=int, help="items per task, a seeded sample (default: toy 200, real 500)")
     ap.add_argument("--seed", type=int, default=0, help="the item sample and the calibration draw")
     ap.add_argument("--bench", dest="bench", action="store_true", default=True)
@@ -116,7 +123,7 @@ def check_args(args):
         if not math.isfinite(getattr(args, name)):
             raise KvtError(f"--{name.replace('_', '-')} must be a number")
     if args.tasks is not None and not [t for t in args.tasks.split(",") if t.strip()]:
-        raise KvtError(f"--tasks is empty; name at least one task (known: {', '.join(evals.TASKS)})")
+        raise KvtError(f"--tasks is empty; name at least one task (known: {', '.join(tasks.TASKS)})")
     if args.bench_lengths is not None:
         try:
             lengths = [int(n) for n in args.bench_lengths.split(",")]
@@ -280,6 +287,9 @@ def format_summary(summary, average, src_name, tgt_name):
         if row is None or row.get(m) is None:
             return "-"
         lo, hi = row[m + "_ci"]
+        if m in CORPUS:  # a perplexity or bits per byte, not a percentage
+            num = lambda x: "-" if x is None else f"{x:.4g}"  # noqa: E731
+            return f"{num(row[m])} [{num(lo)}, {num(hi)}]"
         return f"{pct(row[m])} [{pct(lo, 0)}, {pct(hi, 0)}]"
 
     def ret(r, name):
@@ -289,7 +299,7 @@ def format_summary(summary, average, src_name, tgt_name):
         return f"{pct(r[name])}% [{pct(lo, 0)}, {pct(hi, 0)}]" if lo is not None else f"{pct(r[name])}%"
 
     for task, conds in summary.items():
-        for m in evals.METRICS[evals.TASKS[task][1]]:
+        for m in tasks.get(task).metrics:
             r = conds.get("retention", {}).get(m, {})
             lines.append(f"| {task} | {m} | {cell(conds.get('target'), m)} | {cell(conds.get('transfer'), m)} | "
                          f"{cell(conds.get('source'), m)} | {cell(conds.get('floor'), m)} | {ret(r, 'ratio')} | "
@@ -320,6 +330,17 @@ def strict(obj):
     if isinstance(obj, (list, tuple)):
         return [strict(v) for v in obj]
     return obj
+
+
+def versions(device):
+    """What produced the numbers: kvt, Python, torch, transformers (None where not installed; kvt never
+    needs it) and the processor (kvt.bench.hardware)."""
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = None
+    return {"kvt": kvt.__version__, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers, "hardware": hardware(device)}
 
 
 def bench_default(is_toy, device):
@@ -355,7 +376,9 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     args.calib_seqs = (200 if is_toy else 500) if args.calib_seqs is None else args.calib_seqs
     args.calib_len = (256 if is_toy else 1024) if args.calib_len is None else args.calib_len
     args.limit = (200 if is_toy else 500) if args.limit is None else args.limit
-    tasks = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
+    for f in args.task_file:  # the user's tasks, registered before --tasks is read
+        print(f"{f}: tasks {', '.join(tasks.load_task_file(f))}")
+    task_names = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
     check_devices(args.devices.split(",") if args.devices else [args.device])
     devices = dist.init(args.devices.split(",") if args.devices else [args.device])
     args.device = devices[0]
@@ -368,7 +391,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     check_same_tokenizer(src_tok, tok)
     lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
     check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
-    items = {task: evals.load_task(task, args.data_dir, args.limit, seed=args.seed) for task in tasks}
+    items = {task: tasks.load_task(task, args.data_dir, args.limit, seed=args.seed) for task in task_names}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
     calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text)
     skey = stats_key(args, src_dir, tgt_dir, calib)
@@ -399,9 +422,9 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(dtype)}
     conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
     records = run_tasks(args, items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header)
-    summary, average = evals.summarize(records), evals.average_retention(records)
+    summary, average = summarize(records), average_retention(records)
     coqa = {}
-    if "coqa" in tasks:  # the other direction: the large model hands the conversation to the small one
+    if "coqa" in task_names:  # the other direction: the large model hands the conversation to the small one
         back_key = stats_key(args, tgt_dir, src_dir, calib)
         back, back_name = get_mapper(args, target, source, tok, calib, out, back_key, dtype)
         back = back.place(layer_devices(source))
@@ -409,8 +432,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         rev = run_tasks(args, {"coqa": items["coqa"]}, tok,
                         {"target": evals.Condition(source), "transfer": evals.Condition(source, evals.transfer(target, source, back))},
                         out / f"records-{back_name}-{short_hash(rev_header)}.jsonl", rev_header)
-        coqa = {f"{src_name} -> {tgt_name}": {"gold": evals.coqa_turns(records), "agreement": evals.coqa_agreement(records)},
-                f"{tgt_name} -> {src_name}": {"gold": evals.coqa_turns(rev), "agreement": evals.coqa_agreement(rev)}}
+        coqa = {f"{src_name} -> {tgt_name}": {"gold": coqa_turns(records), "agreement": coqa_agreement(records)},
+                f"{tgt_name} -> {src_name}": {"gold": coqa_turns(rev), "agreement": coqa_agreement(rev)}}
 
     if dist.rank() != 0:
         return dist.close()
@@ -456,8 +479,9 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
                 for k, v in vars(args).items()}
     results = {"pair": [src_name, tgt_name], "mapper": name, "settings": settings, "k_used": k_used,
                "lambda": mapper.meta.get("lambda"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
-               "tasks": summary, "average_retention": average, "coqa": coqa, "bench": rows,
-               "items": {task: [it.id for it in its] for task, its in items.items()}, "wall_s": time.time() - t0}
+               "tasks": summary, "average_retention": average, "coqa": coqa, "lm_eval": lm_eval_results(summary),
+               "bench": rows, "items": {task: [it.id for it in its] for task, its in items.items()},
+               "versions": versions(args.device), "wall_s": time.time() - t0}
     write_atomic(out / "results.json", json.dumps(strict(results), indent=1, allow_nan=False))
     print("\n" + "\n".join(report[report.index("## Accuracy (%, 95% interval) and retention"):]))
     print(f"\nwrote {out / 'report.md'} and {out / 'results.json'}")

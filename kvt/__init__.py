@@ -2,12 +2,17 @@
 
 Stages, in the order data flows (a module never imports from a later one):
   config, dist, rope, tokenizer, data, weights, cache, model   checkpoints and text -> models
+  scoring                                                       loglikelihood of continuations from a cache
   toy                                                           a tiny trained family for offline use
+  family                                                        smaller siblings of a checkpoint: prune, heal
   capture, stats                                                position-free KV -> streamed statistics
   ridge, mlp                                                    fit
   mapper, plan, handoff                                         apply a map, plan memory, hand a context over
   figures                                                       draw the layer R^2 map (tutorial.md)
-  evals, bench                                                  measure retention and speed
+  answers, tasks                                                answer metrics; the task registry and items
+  summary, evals                                                records -> retention; conditions, the run loop
+  bench                                                         measure speed
+  hf                                                            transformers interop: DynamicCache, transfer
 """
 __version__ = "0.1.0"
 

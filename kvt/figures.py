@@ -84,10 +84,77 @@ def save_png(r2, path, src_layers=None, selected=None, title=""):
     return True
 
 
+def correlations(xs, ys):
+    """(Pearson r, Spearman rho) of two equal-length lists."""
+    x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    def pearson(a, b):
+        a, b = a - a.mean(), b - b.mean()
+        return (a @ b / (a.norm() * b.norm())).item()
+    rank = lambda t: t.argsort().argsort().double()  # noqa: E731 (ties broken by order; fine for real-valued data)
+    return pearson(x, y), pearson(rank(x), rank(y))
+
+
+def gate_evidence(results, good_at=0.9):
+    """From run.py results (dicts of results.json), how well each diagnostic predicts average retention,
+    and how often a gate fitted on the other pairs calls a left-out pair right (retention >= good_at).
+    Returns (rows, correlations {diagnostic: (r, rho)}, thresholds fitted on all, leave-one-out agreements)."""
+    from kvt.handoff import fit_gate, gate
+    rows = [{"pair": " -> ".join(r["pair"]) + f" ({r['settings']['scope']}, {r['settings']['mapper']})",
+             "r2": (r["diagnostics"]["r2_k_mean"] + r["diagnostics"]["r2_v_mean"]) / 2,
+             "attn_cos": r["diagnostics"]["attn_cos_mean"], "kl": r["diagnostics"]["kl"],
+             "retention": r["average_retention"]["retention"], "diag": r["diagnostics"]}
+            for r in results if r["average_retention"].get("retention") is not None]
+    ret = [row["retention"] for row in rows]
+    corr = {name: correlations([row[name] for row in rows], ret) for name in ("r2", "attn_cos", "kl")}
+    good = [x >= good_at for x in ret]
+    diags = [row["diag"] for row in rows]
+    thresholds = fit_gate(diags, good)
+    loo = 0
+    for i in range(len(rows)):
+        c, k, _ = fit_gate(diags[:i] + diags[i + 1:], good[:i] + good[i + 1:])
+        loo += gate(diags[i], c, k)[0] == good[i]
+    return rows, corr, thresholds, loo
+
+
+def gate_figure(paths, png=None):
+    """Print gate_evidence over run.py results (and draw retention against each diagnostic as a PNG)."""
+    import json
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    rows, corr, (c, k, agree), loo = gate_evidence(results)
+    print(f"{'pair':<58} {'mean R^2':>8} {'attn cos':>8} {'KL nats':>8} {'retention':>9}")
+    for r in sorted(rows, key=lambda r: -r["retention"]):
+        print(f"{r['pair']:<58} {r['r2']:8.3f} {r['attn_cos']:8.3f} {r['kl']:8.4f} {100 * r['retention']:8.1f}%")
+    print(f"\n{len(rows)} runs; correlation with average retention (Pearson r, Spearman rho):")
+    for name, (r, rho) in corr.items():
+        print(f"  {name:<9} r = {r:+.2f}  rho = {rho:+.2f}")
+    print(f"gate fitted on all runs (retention >= 90% is 'fit'): --min-attn-cos {c} --max-kl {k}, right on "
+          f"{agree} of {len(rows)}; fitted on all but one, right on the left-out run {loo} of {len(rows)} times")
+    if png:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+            return
+        fig, axes = plt.subplots(1, 3, figsize=(11, 3.4), sharey=True)
+        for ax, (name, label) in zip(axes, [("r2", "mean R^2"), ("attn_cos", "attention-output cosine"),
+                                            ("kl", "next-token KL (nats)")]):
+            ax.scatter([r[name] for r in rows], [100 * r["retention"] for r in rows], s=18)
+            ax.set_xlabel(label)
+            ax.set_title(f"r = {corr[name][0]:+.2f}, rho = {corr[name][1]:+.2f}", fontsize=9)
+        axes[0].set_ylabel("average retention (%)")
+        fig.tight_layout()
+        fig.savefig(png, dpi=150)
+        print(f"wrote {png}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Draw the source x target layer R^2 map of a pair and the layers "
                                  "calibration selects (terminal shades; --png with matplotlib).")
-    ap.add_argument("figure", choices=["r2"])
+    ap.add_argument("figure", choices=["r2", "gate"], help="r2: a pair's layer map; gate: diagnostics vs retention "
+                    "over finished runs (give their results.json files)")
+    ap.add_argument("results", nargs="*", type=Path, help="gate: results.json files of run.py")
     ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name>")
     ap.add_argument("--weights", type=Path, default=Path(__file__).resolve().parent.parent / "weights")
     ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: the toy corpus for toy "
@@ -101,6 +168,8 @@ def main(argv=None):
     ap.add_argument("--png", help="also write the map(s) to this PNG (one file per kind: NAME-k.png, NAME-v.png)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    if args.figure == "gate":
+        return gate_figure(args.results, args.png)
 
     import kvt
     from kvt import toy

@@ -182,6 +182,23 @@ def gate(diag, min_attn_cos=0.9, max_kl=0.5, min_r2=None):
     return not reasons, reasons
 
 
+def fit_gate(diags, good, cos_grid=None, kl_grid=None):
+    """The gate thresholds (min_attn_cos, max_kl) that best separate mappers known to be good from the
+    rest: diags, a list of diagnose() results; good, a list of bools (e.g. average retention >= 90%).
+    Picks the pair of thresholds with the most agreements, ties broken toward the loosest gate (the
+    lowest cosine, the highest KL). Returns (min_attn_cos, max_kl, agreements)."""
+    cos_grid = cos_grid or sorted({round(d["attn_cos_mean"], 3) for d in diags} | {0.0})
+    kl_grid = kl_grid or sorted({round(d["kl"], 4) for d in diags} | {float("inf")})
+    best = None
+    for c in cos_grid:
+        for k in kl_grid:
+            agree = sum(gate(d, c, k)[0] == g for d, g in zip(diags, good))
+            key = (agree, -c, k)
+            if best is None or key > best[0]:
+                best = (key, c, k, agree)
+    return best[1], best[2], best[3]
+
+
 def format_diagnostics(diag):
     """A readable per-layer table of a diagnose() result."""
     lines = ["layer    R^2 K    R^2 V   attn cos"]

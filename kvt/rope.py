@@ -99,6 +99,8 @@ def rotate(x, cos, sin, out=None):
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[..., :half], sin[..., :half]                            # cos_sin repeats each angle for both halves
+    if out is None and x.requires_grad:                                # training: autograd cannot follow out=
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     out = torch.empty_like(x) if out is None else out
     o1, o2 = out[..., :half], out[..., half:]
     torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1)

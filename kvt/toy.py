@@ -25,7 +25,7 @@ Task records (plain dicts, in the field names the evals use for real data sets):
       {"context": "the pets : anna cat , ben dog , ... . we walk to the park . so ben",
        "choices": [" frog", " dog", " cat", " duck"], "label": 1}
       choices start with a space, as lm-evaluation-harness continuations do; the question is the
-      context's last clause ("so ben"), the "floor" condition scores the choices after it alone.
+      context's last clause (question(): " so ben"), the "floor" condition scores the choices after it alone.
   exact match after greedy generation:
       {"prompt": "copy : cat red lima dog . again :", "answer": "cat red lima dog", "until": ["."]}
       generate until a string of `until` appears (or a few dozen tokens), cut it there, strip
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kvt import scoring
 from kvt.config import Config
 from kvt.model import build_model, load_model
 from kvt.tokenizer import load_tokenizer
@@ -189,6 +190,12 @@ def toy_tasks(name, n, seed=1234):
 TASKS = ("recall", "recall_gen", "copy", "count")
 
 
+def question(context):
+    """The context's last clause, after its last "." (" so ben", " again :"): what the floor condition
+    reads instead of the whole context, the question without the facts it asks about."""
+    return context.rsplit(".", 1)[-1]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE like Qwen3's (any text encodes), trained on the corpus until every word
 # is a single token; its vocabulary is whatever that takes (a few hundred entries), at most VOCAB.
@@ -319,21 +326,15 @@ def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print, init
     return model.eval().requires_grad_(False), record
 
 
-@torch.no_grad()
 def choice_accuracy(model, encode, items, context=True):
-    """Accuracy on multiple-choice records: the choice with the highest loglikelihood after the context
-    wins. context=False keeps only the context's last clause (the question): the "floor" condition.
-    encode: str -> token ids (the toy tokenizer adds no BOS, so context and choices encode alike)."""
-    right = 0
+    """Accuracy on multiple-choice records, scored as the evals score them (kvt.scoring.score_choices:
+    the choice with the highest loglikelihood after the context wins). context=False reads only the
+    question (question()): the "floor" condition. encode: str -> token ids."""
+    right = 0.0
     for it in items:
-        ctx = it["context"] if context else it["context"].rsplit(" . ", 1)[-1]
-        c = encode(ctx)
-        xs = [encode(choice) for choice in it["choices"]]
-        n = max(map(len, xs))
-        rows = torch.tensor([c + x + [0] * (n - len(x)) for x in xs])              # (K, T) right-padded
-        logp = model(rows)[0][:, len(c) - 1:-1].log_softmax(-1)                    # (K, n, V): t predicts t+1
-        scores = [logp[k, torch.arange(len(x)), x].sum().item() for k, x in enumerate(xs)]
-        right += max(range(len(xs)), key=scores.__getitem__) == it["label"]
+        ctx = it["context"] if context else question(it["context"])
+        choices = [c.removeprefix(" ") for c in it["choices"]]  # score_choices puts the space back
+        right += scoring.score_choices(model, encode, ctx, choices, it["label"])["acc"]
     return right / len(items)
 
 

@@ -1,5 +1,6 @@
-"""evals.py: cache scoring against a one-pass oracle, metrics on hand-built cases, prompts and
-answer extraction on real data (../shared/data, or $KVT_SHARED/data)."""
+"""The evaluation modules (scoring, answers, tasks, evals, summary): cache scoring against a one-pass
+oracle, metrics on hand-built cases, prompts and answer extraction on real data (../shared/data, or
+$KVT_SHARED/data)."""
 import json
 from collections import Counter
 
@@ -8,7 +9,11 @@ import torch
 from conftest import SHARED, SMOLLM2, calib_of, function_preserving_twin, tiny_config
 
 import kvt
+from kvt import answers as A
 from kvt import evals as E
+from kvt import scoring
+from kvt import summary as S
+from kvt import tasks as T
 from kvt.config import KvtError
 from kvt.mapper import calibrate
 from kvt.model import build_model
@@ -40,7 +45,7 @@ def test_scoring_from_cache_equals_one_pass(family):
     model = tiny(family)
     ctx = [5, 17, 99, 23, 8, 64, 1]
     conts = [[40], [7, 7, 120, 3], [88, 2], [11, 12, 13, 14, 15, 16]]  # lengths 1..6: right padding
-    lls, greedy = E.loglikelihoods(E.Condition(model), ctx, conts)
+    lls, greedy = scoring.loglikelihoods(model, ctx, conts)
     for cont, ll, g in zip(conts, lls, greedy):
         logits, _ = model(torch.tensor([ctx + cont]))                 # (1, T + Tc, V)
         logp = logits[0, len(ctx) - 1:-1].float().log_softmax(-1)     # positions predicting cont
@@ -60,29 +65,29 @@ def test_scoring_uses_the_given_prefill():
         logits, cache = model(ids[:, 4:], cache=cache)
         return logits[:, -1], cache
 
-    own = E.loglikelihoods(E.Condition(model), ctx, conts)[0]
-    assert torch.allclose(torch.tensor(E.loglikelihoods(E.Condition(model, chunked), ctx, conts)[0]),
+    own = scoring.loglikelihoods(model, ctx, conts)[0]
+    assert torch.allclose(torch.tensor(scoring.loglikelihoods(model, ctx, conts, chunked)[0]),
                           torch.tensor(own), atol=1e-4)
-    other = E.loglikelihoods(E.Condition(model, lambda ids: E.Condition(model)(ids.flip(1))), ctx, conts)[0]
+    other = scoring.loglikelihoods(model, ctx, conts, lambda ids: scoring.prefill(model, ids.flip(1)))[0]
     assert max(abs(a - b) for a, b in zip(own, other)) > 1e-3
 
 
 def test_mc_metrics_hand_built():
     choices = ["a long answer", "b", "cc"]   # lengths 13, 1, 2
-    m = E.mc_metrics([-10.0, -9.0, -12.0], choices, gold=0)
+    m = scoring.mc_metrics([-10.0, -9.0, -12.0], choices, gold=0)
     # acc: -9 is the largest; acc_norm: -10/13 = -0.77 beats -9/1 and -12/2 = -6
     assert (m["pred"], m["pred_norm"], m["acc"], m["acc_norm"]) == (1, 0, 0.0, 1.0)
-    assert E.mc_metrics([-1.0, -1.0, -3.0], ["x", "y", "z"], gold=1)["pred"] == 0  # ties: first, as np.argmax
+    assert scoring.mc_metrics([-1.0, -1.0, -3.0], ["x", "y", "z"], gold=1)["pred"] == 0  # ties: first, as np.argmax
     # the harness divides by len(choice), characters: -4.4/4 < -3/3 (by UTF-8 bytes it would be -4.4/8 > -1)
-    assert E.mc_metrics([-4.4, -3.0], ["\u00e9\u00e9\u00e9\u00e9", "abc"], gold=1)["pred_norm"] == 1
+    assert scoring.mc_metrics([-4.4, -3.0], ["\u00e9\u00e9\u00e9\u00e9", "abc"], gold=1)["pred_norm"] == 1
 
 
 def test_encode_pair_moves_trailing_space():
     """Bugs: a trailing space left on the context; an empty context made of EOS instead of the harness's
     prefix token (BOS where the tokenizer names one), for scoring and for generation alike."""
     tok = CharTok()
-    assert E.encode_pair(tok, "Answer: ", "B") == (tok.encode("Answer:"), tok.encode(" B"))
-    assert E.encode_pair(tok, "", " end") == ([tok.prefix_id], tok.encode(" end"))
+    assert scoring.encode_pair(tok.encode, "Answer: ", "B", tok.prefix_id) == (tok.encode("Answer:"), tok.encode(" B"))
+    assert scoring.encode_pair(tok.encode, "", " end", tok.prefix_id) == ([tok.prefix_id], tok.encode(" end"))
     model, seen = tiny(), []
 
     def spy(ids):  # a prefill that notes what it was asked to read
@@ -113,7 +118,7 @@ def test_prefix_id_is_the_harness_prefix_token(name, prefix, bos_id):
 
 @needs_data
 def test_hellaswag_preprocess_real_items():
-    items = E.hellaswag(DATA)
+    items = T.TASKS["hellaswag"].items(DATA)
     rows = [json.loads(line) for line in open(DATA / "hellaswag/validation.jsonl")]
     assert len(items) == len(rows) == 10042
     it = items[3243]  # a WikiHow item: [header], [title], [step] and [substeps] markers
@@ -134,18 +139,18 @@ def test_hellaswag_preprocess_real_items():
 
 @needs_data
 def test_prompts_follow_the_harness():
-    arc = E.arc(DATA, "arc_easy")[0]
+    arc = T.TASKS["arc_easy"].items(DATA)[0]
     assert arc.context == ("Question: Which statement best explains why photosynthesis is the foundation of "
                            "most food webs?\nAnswer:")
     assert arc.gold == 0 and arc.floor == "Answer:"
-    m5, m0 = E.mmlu(DATA)[0], E.mmlu(DATA, shots=0)[0]
+    m5, m0 = T.TASKS["mmlu"].items(DATA)[0], T.TASKS["mmlu"].items(DATA, shots=0)[0]
     head = "The following are multiple choice questions (with answers) about abstract algebra.\n\n"
     q = ("Find the degree for the given field extension Q(sqrt(2), sqrt(3), sqrt(18)) over Q.\n"
          "A. 0\nB. 4\nC. 2\nD. 6\nAnswer:")
     assert m0.context == head + q and m0.choices == ["A", "B", "C", "D"] and m0.gold == 1
     assert m5.context.startswith(head + "Find all c in Z_3 such that Z_3[x]/(x^2 + c) is a field.\n")
     assert m5.context.endswith("Find the characteristic of the ring 2Z.\nA. 0\nB. 3\nC. 12\nD. 30\nAnswer: A\n\n" + q) and m5.context.count("Answer:") == 6
-    g = E.gsm8k(DATA)[0]
+    g = T.TASKS["gsm8k"].items(DATA)[0]
     assert g.context.startswith("Q: There are 15 trees in the grove.") and g.context.count("\nA: ") == 8
     assert g.context.endswith("\n\nQ: Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every "
                               "morning and bakes muffins for her friends every day with four. She sells the "
@@ -156,9 +161,9 @@ def test_prompts_follow_the_harness():
 
 @needs_data
 def test_coqa_pieces_make_the_harness_prompt():
-    conv = E.coqa(DATA)[0]
+    conv = T.TASKS["coqa"].items(DATA)[0]
     assert len(conv.questions) == 10 and all(len(a) >= 1 for a in conv.answers)
-    pieces = E.coqa_segments(conv)
+    pieces = T.coqa_segments(conv)
     for t in (1, 4):  # the harness's doc_to_text for turn t: story, gold history, "Q: q_t\n\nA:"
         want = conv.story + "\n\n" + "".join(f"Q: {conv.questions[i]}\n\nA: {conv.answers[i][0]}\n\n"
                                              for i in range(t - 1)) + f"Q: {conv.questions[t - 1]}\n\nA:"
@@ -167,13 +172,13 @@ def test_coqa_pieces_make_the_harness_prompt():
 
 def test_missing_file_names_it_and_how_to_get_it(tmp_path):
     with pytest.raises(KvtError) as e:
-        E.load_task("arc_challenge", tmp_path)
+        T.load_task("arc_challenge", tmp_path)
     msg = str(e.value)
     assert str(tmp_path / "arc_challenge/test.jsonl") in msg
     assert 'load_dataset("allenai/ai2_arc", "ARC-Challenge", split="test")' in msg
     assert "to_json" in msg and "../shared/data" in msg
     with pytest.raises(KvtError, match="unknown task"):
-        E.load_task("piqa", tmp_path)
+        T.load_task("piqa", tmp_path)
 
 
 # ------------------------------------------------------------------------------------------- samples
@@ -194,9 +199,9 @@ def test_sample_order_hand_built():
     from its share), an order the seed does not fix. 6 a, 3 b, 1 c: one of each first, then every
     prefix within one item of its quota."""
     strata = ["a"] * 6 + ["b"] * 3 + ["c"]
-    order = E.sample_order(strata, seed=0)
-    assert sorted(order) == list(range(10)) and order == E.sample_order(strata, seed=0)
-    assert order != E.sample_order(strata, seed=1)
+    order = T.sample_order(strata, seed=0)
+    assert sorted(order) == list(range(10)) and order == T.sample_order(strata, seed=0)
+    assert order != T.sample_order(strata, seed=1)
     assert sorted(strata[i] for i in order[:3]) == ["a", "b", "c"]
     assert_proportional([strata[i] for i in order], start=3)
 
@@ -208,18 +213,18 @@ def test_task_samples_are_stratified_prefixes():
     --limit would not continue a smaller one, so resuming would change the items); a seed that does
     nothing. The first round puts MMLU up to 5 items off its quotas at 57; from 100 on, every prefix is
     within one item of each subject's quota (measured: from 71 on)."""
-    mmlu = E.load_task("mmlu", DATA, shots=0)  # every item, in the sampled order
+    mmlu = T.load_task("mmlu", DATA, shots=0)  # every item, in the sampled order
     ids = [i.id for i in mmlu]
-    assert [i.id for i in E.load_task("mmlu", DATA, 500, shots=0)] == ids[:500]  # same seed, same prefix
+    assert [i.id for i in T.load_task("mmlu", DATA, 500, shots=0)] == ids[:500]  # same seed, same prefix
     assert len({i.stratum for i in mmlu[:57]}) == 57 and len(Counter(i.stratum for i in mmlu)) == 57
     assert_proportional([i.stratum for i in mmlu], start=100)
-    assert [i.id for i in E.load_task("mmlu", DATA, 500, seed=1, shots=0)] != ids[:500]
-    hellaswag = E.load_task("hellaswag", DATA)
-    assert [i.id for i in E.load_task("hellaswag", DATA, 100)] == [i.id for i in hellaswag[:100]]
+    assert [i.id for i in T.load_task("mmlu", DATA, 500, seed=1, shots=0)] != ids[:500]
+    hellaswag = T.load_task("hellaswag", DATA)
+    assert [i.id for i in T.load_task("hellaswag", DATA, 100)] == [i.id for i in hellaswag[:100]]
     count = Counter(i.stratum for i in hellaswag[:500])
     assert abs(count["activitynet"] - 500 * 3243 / 10042) < 1 and abs(count["wikihow"] - 500 * 6799 / 10042) < 1
     assert_proportional([i.stratum for i in hellaswag], start=2)
-    assert Counter(c.stratum for c in E.load_task("coqa", DATA, 50)) == dict.fromkeys(
+    assert Counter(c.stratum for c in T.load_task("coqa", DATA, 50)) == dict.fromkeys(
         ["mctest", "race", "cnn", "wikipedia", "gutenberg"], 10)
 
 
@@ -229,8 +234,10 @@ def test_every_task_has_unique_ids_and_all_its_items():
     so records keyed by it would overwrite each other and a resume would skip items never run. Loaders
     return every item, in file order (load_task samples from them)."""
     sizes = {"hellaswag": 10042, "arc_easy": 2376, "arc_challenge": 1172, "mmlu": 14042, "gsm8k": 1319, "coqa": 500}
-    for name, (loader, _, _) in E.TASKS.items():
-        items = loader(DATA)
+    for name, task in T.TASKS.items():
+        if name == "winogrande" and not (DATA / "winogrande").exists():
+            continue  # not in the shared data
+        items = task.items(DATA)
         assert len({i.id for i in items}) == len(items) == sizes.get(name, 1000), name
 
 
@@ -238,15 +245,15 @@ def test_every_task_has_unique_ids_and_all_its_items():
 
 def test_gsm8k_extraction_hand_cases():
     out = " Janet sells 16 - 3 - 4 = 9 duck eggs a day. She makes 9 * 2 = $18 every day. The answer is 18.\n\n"
-    assert (E.gsm8k_strict(out), E.gsm8k_flexible(out)) == ("18", "18.")
-    assert E.gsm8k_exact_match("18.", "18") == 1.0
-    assert E.gsm8k_strict("so it costs $1,200. The answer is 1,200.") == "1,200"
-    assert E.gsm8k_exact_match(E.gsm8k_flexible("it is $1,200."), "1200") == 1.0
-    assert E.gsm8k_strict("The answer is -3 dollars") == "-3"
-    assert E.gsm8k_strict("The answer is 18") == "1"   # the yaml's final "." takes a character: harness quirk
-    assert E.gsm8k_strict("I do not know.") == E.gsm8k_flexible("no digits") == "[invalid]"
-    assert E.gsm8k_exact_match("[invalid]", "18") == 0.0
-    assert E.gsm8k_flexible("5 + 4 = 9 toys, 3 left") == "3"
+    assert (A.gsm8k_strict(out), A.gsm8k_flexible(out)) == ("18", "18.")
+    assert A.gsm8k_exact_match("18.", "18") == 1.0
+    assert A.gsm8k_strict("so it costs $1,200. The answer is 1,200.") == "1,200"
+    assert A.gsm8k_exact_match(A.gsm8k_flexible("it is $1,200."), "1200") == 1.0
+    assert A.gsm8k_strict("The answer is -3 dollars") == "-3"
+    assert A.gsm8k_strict("The answer is 18") == "1"   # the yaml's final "." takes a character: harness quirk
+    assert A.gsm8k_strict("I do not know.") == A.gsm8k_flexible("no digits") == "[invalid]"
+    assert A.gsm8k_exact_match("[invalid]", "18") == 0.0
+    assert A.gsm8k_flexible("5 + 4 = 9 toys, 3 left") == "3"
 
 
 @needs_data
@@ -256,14 +263,14 @@ def test_gsm8k_extraction_real_answers():
         reasoning, gold = row["answer"].split("####")
         gold = gold.strip()
         # the reference solution itself ends in "#### N": the flexible filter takes N
-        assert E.gsm8k_exact_match(E.gsm8k_flexible(row["answer"]), gold) == 1.0, row["answer"]
+        assert A.gsm8k_exact_match(A.gsm8k_flexible(row["answer"]), gold) == 1.0, row["answer"]
         # the same reasoning in the exemplars' style, then the stop string that generation cuts at
         out = " " + reasoning.replace("\n", " ").strip() + f" The answer is {gold}.\n\nQ:"
         text = out.split("Q:")[0]
-        assert E.gsm8k_exact_match(E.gsm8k_strict(text), gold) == 1.0, text
-        assert E.gsm8k_exact_match(E.gsm8k_flexible(text), gold) == 1.0, text
+        assert A.gsm8k_exact_match(A.gsm8k_strict(text), gold) == 1.0, text
+        assert A.gsm8k_exact_match(A.gsm8k_flexible(text), gold) == 1.0, text
         wrong = str(int(gold.replace(",", "")) + 1)
-        assert E.gsm8k_exact_match(E.gsm8k_strict(f"The answer is {wrong}."), gold) == 0.0
+        assert A.gsm8k_exact_match(A.gsm8k_strict(f"The answer is {wrong}."), gold) == 0.0
 
 
 # -------------------------------------------------------------------------------------- generation
@@ -271,14 +278,14 @@ def test_gsm8k_extraction_real_answers():
 def test_converse_extends_the_cache_like_a_fresh_prefill():
     """Answers from the growing cache equal answers from prefilling each turn's whole prompt anew."""
     model, tok = tiny(seed=1), CharTok()
-    conv = E.Conversation("c", "Tom has a red ball. He plays.", ["What color?", "Who plays?", "Where?"],
+    conv = T.Conversation("c", "Tom has a red ball. He plays.", ["What color?", "Who plays?", "Where?"],
                           [["red"], ["Tom"], ["unknown"]])
     answers = E.converse(E.Condition(model), tok, conv, start=2, max_new_tokens=6)
-    pieces = E.coqa_segments(conv)
+    pieces = T.coqa_segments(conv)
     for t, a in zip((2, 3), answers):
         ids = torch.tensor([tok.encode("".join(pieces[:t]))])
         logits, cache = model(ids)
-        out = E.generate(model, logits[:, -1], cache, 6, stop_ids=(tok.eos_id,), stop=("\n",),
+        out = kvt.generate(model, logits[:, -1], cache, 6, stop_ids=(tok.eos_id,), stop=("\n",),
                          decode=lambda x: tok.decode(x).lstrip())[0]
         assert a == tok.decode(out).strip().split("\n")[0]
     assert len(answers) == 2
@@ -303,7 +310,7 @@ def test_resume_skips_by_id_in_any_order():
     moves the scores and retention is a ratio that can be computed by hand from the records."""
     target, other, tok = tiny(seed=3), tiny(seed=5), CharTok()
     golds = [1, 1, 3, 2, 3, 1, 3, 2]  # chosen so that both conditions get some items right
-    items = [E.Item(f"q{i}", f"Question: is {i} more than {7 - i}?\nAnswer:", g, ["A", "B", "C", "D"],
+    items = [T.Item(f"q{i}", f"Question: is {i} more than {7 - i}?\nAnswer:", g, ["A", "B", "C", "D"],
                     floor="Answer:") for i, g in enumerate(golds)]
     conds = E.conditions(target, transfer=E.Condition(other))  # the target answers from the other's cache
     first = list(E.evaluate("arc_easy", items[:4], tok, conds, progress=False))  # stopped after 4 items,
@@ -320,10 +327,10 @@ def test_resume_skips_by_id_in_any_order():
     assert len(recs) == 24 and any(recs[("transfer", i.id)]["lls"] != recs[("target", i.id)]["lls"] for i in items)
     acc = {c: sum(recs[(c, i.id)]["acc"] for i in items) for c in ("target", "transfer")}
     assert acc["target"] > 0 and acc["transfer"] != acc["target"], acc
-    s = E.summarize(first + rest, n_boot=50)["arc_easy"]
+    s = S.summarize(first + rest, n_boot=50)["arc_easy"]
     assert s["target"]["n"] == s["transfer"]["n"] == s["retention"]["acc"]["n"] == 8
     assert s["retention"]["acc"]["ratio"] == pytest.approx(acc["transfer"] / acc["target"])
-    assert E.item_ids(first + rest) == {"arc_easy": ["q0", "q1", "q2", "q3", "q4", "q5", "q7", "q6"]}
+    assert S.item_ids(first + rest) == {"arc_easy": ["q0", "q1", "q2", "q3", "q4", "q5", "q7", "q6"]}
 
 
 def test_summary_retention_and_intervals():
@@ -332,16 +339,16 @@ def test_summary_retention_and_intervals():
                 for i, a in enumerate(accs)]
     records = recs("target", [1, 1, 1, 1, 0, 0, 0, 0]) + recs("transfer", [1, 1, 1, 0, 0, 0, 0, 0]) \
         + recs("floor", [1, 0, 0, 0, 0, 0, 0, 0])
-    s = E.summarize(records, n_boot=200)["arc_easy"]
+    s = S.summarize(records, n_boot=200)["arc_easy"]
     assert s["target"]["acc"] == 0.5 and s["target"]["n"] == 8
     lo, hi = s["target"]["acc_ci"]
     assert abs(lo - 0.2152) < 1e-3 and abs(hi - 0.7848) < 1e-3   # Wilson, 4 of 8
     r = s["retention"]["acc"]
     assert r["ratio"] == 0.75 and abs(r["floor_normalized"] - 2 / 3) < 1e-12   # (3-1)/(4-1)
     assert r["ratio_ci"][0] <= 0.75 <= r["ratio_ci"][1]
-    lo, hi = E.wilson(5, 10)
+    lo, hi = S.wilson(5, 10)
     assert abs(lo - 0.2366) < 1e-3 and abs(hi - 0.7634) < 1e-3
-    assert E.wilson(0, 60)[0] >= 0.0 and E.wilson(60, 60)[1] <= 1.0               # never past the ends
+    assert S.wilson(0, 60)[0] >= 0.0 and S.wilson(60, 60)[1] <= 1.0               # never past the ends
 
 
 def test_summary_undefined_values_are_none_and_strict_json():
@@ -352,13 +359,13 @@ def test_summary_undefined_values_are_none_and_strict_json():
     records = [rec("arc_easy", "target", i, 1.0) for i in "ab"] + [rec("arc_easy", "floor", i, 0.0) for i in "abcd"]
     records += [rec("arc_easy", "transfer", i, 1.0) for i in "cd"]  # no item in common with the target
     records += [rec("mmlu", c, i, 0.0) for c in ("target", "transfer", "floor") for i in "ab"]  # 0 / 0
-    s = E.summarize(records, n_boot=50)
+    s = S.summarize(records, n_boot=50)
     r, m = s["arc_easy"]["retention"]["acc"], s["mmlu"]["retention"]["acc"]
     assert (r["n"], r["ratio"], r["ratio_ci"]) == (0, None, (None, None))
     assert (r["floor_normalized"], r["floor_normalized_ci"]) == (None, (None, None))
     assert (m["n"], m["ratio"], m["ratio_ci"], m["floor_normalized"]) == (2, None, (None, None), None)
     json.dumps(s, allow_nan=False)
-    avg = E.average_retention(records, n_boot=50)
+    avg = S.average_retention(records, n_boot=50)
     assert avg["tasks"] == [] and set(avg["skipped"]) == {"arc_easy", "mmlu"} and avg["retention"] is None
     json.dumps(avg, allow_nan=False)
 
@@ -377,7 +384,7 @@ def test_average_retention_hand_built():
     }
     records = [{"task": t, "condition": c, "id": str(i), **{m: v[i % 4] for m, v in ms.items()}}
                for t, conds in scores.items() for c, ms in conds.items() for i in range(8)]
-    avg = E.average_retention(records, n_boot=300)
+    avg = S.average_retention(records, n_boot=300)
     assert avg["tasks"] == ["arc_easy", "mmlu"] and list(avg["skipped"]) == ["gsm8k"]
     assert avg["metric"] == {"arc_easy": "acc_norm", "mmlu": "acc"} and avg["n"] == {"arc_easy": 8, "mmlu": 8}
     assert avg["retention"] == pytest.approx((0.5 / 0.75 + 0.5 / 0.5) / 2)                       # 5/6
@@ -392,13 +399,13 @@ def test_average_retention_hand_built():
 
 
 def test_squad_f1_and_coqa_agreement():
-    assert E.token_f1("the cat sat", "A cat sat down.") == pytest.approx(0.8)   # "cat sat" vs "cat sat down"
-    assert E.token_f1("", "") == 1.0 and E.token_f1("yes", "") == 0.0
+    assert A.token_f1("the cat sat", "A cat sat down.") == pytest.approx(0.8)   # "cat sat" vs "cat sat down"
+    assert A.token_f1("", "") == 1.0 and A.token_f1("yes", "") == 0.0
     # two golds: leave each out in turn, max over the rest, then average (harness compute_scores)
-    assert E.coqa_f1(["white", "a white kitten"], "white") == pytest.approx((2 / 3 + 1.0) / 2)
+    assert A.coqa_f1(["white", "a white kitten"], "white") == pytest.approx((2 / 3 + 1.0) / 2)
     records = [{"task": "coqa", "condition": c, "id": "s1", "turns": [2, 3, 4], "answers": a}
                for c, a in [("target", ["red", "Tom", "park"]), ("transfer", ["red", "Tom went", "home"])]]
-    agree = E.coqa_agreement(records)
+    agree = S.coqa_agreement(records)
     assert agree["turns"] == [2, 3, 4] and agree["f1"] == pytest.approx([100, 200 / 3, 0])
     assert agree["drift_per_turn"] == pytest.approx(-50.0)
 
@@ -407,15 +414,15 @@ def test_coqa_exact_match_and_turns_hand_built():
     """Bugs: EM as a max over every gold (the harness leaves each gold out in turn, as for F1); per-turn
     means that count a conversation only one condition answered; the gap's sign (target - transfer);
     drift that is not a least-squares slope over turns."""
-    assert E.coqa_em(["white", "a white kitten"], "White.") == 0.5  # without "white": 0; without the other: 1
-    assert E.coqa_em(["the park"], "Park") == 1.0 and E.coqa_em(["Tom"], "Tom went") == 0.0
+    assert A.coqa_em(["white", "a white kitten"], "White.") == 0.5  # without "white": 0; without the other: 1
+    assert A.coqa_em(["the park"], "Park") == 1.0 and A.coqa_em(["Tom"], "Tom went") == 0.0
 
     def rec(cond, i, f1, em):
         return {"task": "coqa", "condition": cond, "id": i, "turns": [2, 3, 4], "f1_turns": f1, "em_turns": em}
     records = [rec("target", "s1", [1, 1, .5], [1, 1, 0]), rec("target", "s2", [1, .5, .5], [1, 0, 0]),
                rec("transfer", "s1", [1, .5, 0], [1, 0, 0]), rec("transfer", "s2", [1, .5, .5], [0, 0, 0]),
                rec("target", "s3", [0, 0, 0], [0, 0, 0])]  # s3: no transfer answers, so out of the comparison
-    c = E.coqa_turns(records)
+    c = S.coqa_turns(records)
     assert c["turns"] == [2, 3, 4] and c["n"] == [2, 2, 2]
     assert c["f1"] == pytest.approx({"target": [100, 75, 50], "transfer": [100, 50, 25]})
     assert c["em"] == pytest.approx({"target": [100, 50, 0], "transfer": [50, 0, 0]})
@@ -434,20 +441,20 @@ def test_exact_pair_transfer_keeps_every_answer():
     mapper, _ = calibrate(source, target, calib_of(ids), k=1, lam=1e-9, progress=False)
     tok = CharTok()
     conds = E.conditions(target, source, transfer=E.transfer(source, target, mapper))
-    items = [E.Item(str(i), f"Question: what is {i} plus {i}?\nAnswer:", i % 3, [str(2 * i), "seven", "no idea"],
+    items = [T.Item(str(i), f"Question: what is {i} plus {i}?\nAnswer:", i % 3, [str(2 * i), "seven", "no idea"],
                     floor="Answer:") for i in range(4)]
     recs = {(r["condition"], r["id"]): r for r in E.evaluate("arc_easy", items, tok, conds, progress=False)}
     for i in map(str, range(4)):
         err = max(abs(a - b) for a, b in zip(recs[("transfer", i)]["lls"], recs[("target", i)]["lls"]))
         assert err < 1e-3, f"item {i}: transfer vs target loglikelihood error {err:.2e}"
         assert recs[("transfer", i)]["pred"] == recs[("target", i)]["pred"]
-    s = E.summarize(recs.values(), n_boot=50)["arc_easy"]
+    s = S.summarize(recs.values(), n_boot=50)["arc_easy"]
     assert s["transfer"]["acc"] == s["target"]["acc"] and s["target"]["n"] == 4
-    conv = E.Conversation("c", "Tom has a red ball. He plays in the park.", ["What color?", "Who?", "Where?"],
+    conv = T.Conversation("c", "Tom has a red ball. He plays in the park.", ["What color?", "Who?", "Where?"],
                           [["red"], ["Tom"], ["the park"]])
     crecs = list(E.evaluate("coqa", [conv], tok, conds, progress=False, max_new_tokens=5))
     assert {r["condition"] for r in crecs} == {"target", "source", "transfer"}  # no floor for CoQA
     answers = {r["condition"]: r["answers"] for r in crecs}
     assert answers["transfer"] == answers["target"], answers
-    agree = E.coqa_agreement(crecs)
+    agree = S.coqa_agreement(crecs)
     assert agree["turns"] == [2, 3] and agree["f1"] == [100.0, 100.0] and agree["drift_per_turn"] == 0.0

@@ -5,8 +5,9 @@ from pathlib import Path
 import kvt
 
 KVT = Path(kvt.__file__).parent
-ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "cache", "model", "toy",
-         "capture", "stats", "ridge", "mlp", "mapper", "plan", "handoff", "figures", "evals", "bench"]
+ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "cache", "model", "scoring", "toy", "family",
+         "capture", "stats", "ridge", "mlp", "mapper", "plan", "handoff", "figures",
+         "answers", "tasks", "summary", "evals", "bench", "hf"]
 
 
 def kvt_imports(file):

@@ -1,0 +1,79 @@
+"""Scoring text by loglikelihood from a cache: the one multiple-choice scorer of kvt.
+
+    lls, greedy = loglikelihoods(model, ctx_ids, [cont_ids, ...])      # the context is prefilled once
+    record = score_choices(model, encode, context, choices, gold)     # acc, acc_norm as the harness
+
+The evals (kvt/evals.py) score every multiple-choice task with score_choices, and so does the toy
+family's trainer (toy.choice_accuracy), so a toy model's held-out recall and its evaluation are the
+same number. `prefill` is where a condition enters: None reads the context with the model itself; a
+transfer reads it with the source and maps the cache (kvt.evals.transfer).
+"""
+import torch
+
+from kvt.config import KvtError
+
+
+def prefill(model, ids, via=None):
+    """(last logits (1, V), cache) after reading ids (1, T): via(ids) if given (e.g. a transfer), else
+    the model's own prefill."""
+    if via is not None:
+        return via(ids)
+    logits, cache = model(ids, last=True)  # (1, 1, V)
+    return logits[:, -1], cache            # (1, V)
+
+
+def encode_pair(encode, context, continuation, prefix_id=None):
+    """Token ids of a context and its continuation, as the harness's _encode_pair: trailing spaces move
+    to the continuation, and the continuation is what encoding both together adds after the context.
+    encode: str -> ids (a kvt Tokenizer's encode); an empty context is [prefix_id] (BOS or EOS), as there."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    ctx = encode(context)
+    whole = encode(context + continuation)
+    if not ctx and prefix_id is None:
+        raise KvtError("an empty context needs a prefix token, and this tokenizer names no BOS or EOS "
+                       "(tokenizer_config.json); give the item a floor or prefix that is not empty")
+    return ctx or [prefix_id], whole[len(ctx):]
+
+
+@torch.no_grad()
+def loglikelihoods(model, ctx, conts, via=None):
+    """Sum of log p(continuation | context) for n continuations (lists of ids), and whether each is the
+    greedy one. The context is prefilled once (via: another prefill, see `prefill`); the continuations
+    run as one right-padded batch from its cache."""
+    dev = next(model.parameters()).device
+    last, cache = prefill(model, torch.tensor([ctx], device=dev), via)  # (1, V), a cache of T slots
+    n, Tc = len(conts), max(len(c) for c in conts)
+    cont = torch.zeros(n, Tc, dtype=torch.long, device=dev)  # (n, Tc), right padding
+    real = torch.zeros(n, Tc, dtype=torch.bool, device=dev)  # (n, Tc), True at real tokens
+    for i, c in enumerate(conts):
+        cont[i, :len(c)], real[i, :len(c)] = torch.tensor(c), True
+    # Off by one: logits[:, i] predict token i+1. The context's last position predicts continuation
+    # token 0; continuation token j predicts token j+1, so the last token is never fed. Right padding
+    # sits after every real token, so it cannot change their logits (attention is causal).
+    pred = last[:, None].expand(n, 1, -1)                     # (n, 1, V)
+    if Tc > 1:
+        logits, _ = model(cont[:, :-1], cache=cache.expand(n))  # (n, Tc-1, V)
+        pred = torch.cat([pred, logits], 1)                   # (n, Tc, V)
+    logp = pred.float().log_softmax(-1).gather(-1, cont[..., None])[..., 0]  # (n, Tc)
+    ll = logp.masked_fill(~real, 0).sum(1)                    # (n,)
+    greedy = ((pred.argmax(-1) == cont) | ~real).all(1)       # (n,)
+    return ll.tolist(), greedy.tolist()
+
+
+def mc_metrics(lls, choices, gold):
+    """acc and acc_norm from the loglikelihood of each choice (first maximum wins, as np.argmax). acc_norm
+    divides by len(choice) in characters, as the harness's code does (its docs say bytes; equal on ASCII)."""
+    pred = max(range(len(lls)), key=lambda i: lls[i])
+    pred_norm = max(range(len(lls)), key=lambda i: lls[i] / len(choices[i]))
+    return {"pred": pred, "pred_norm": pred_norm, "acc": float(pred == gold), "acc_norm": float(pred_norm == gold)}
+
+
+def score_choices(model, encode, context, choices, gold, prefix_id=None, via=None):
+    """One multiple-choice item (the harness's output_type multiple_choice): each choice, after the
+    target delimiter " ", scored by its summed loglikelihood after the context. choices: without the
+    leading space (the harness's doc_to_choice); gold: the right one's index. A plain dict, one record."""
+    pairs = [encode_pair(encode, context, " " + c, prefix_id) for c in choices]
+    lls, greedy = loglikelihoods(model, pairs[0][0], [cont for _, cont in pairs], via)
+    return {"gold": gold, "lls": lls, "greedy": greedy, **mc_metrics(lls, choices, gold)}
