@@ -8,13 +8,14 @@ Stages, in the order data flows (a module never imports from a later one):
   capture, stats                                                position-free KV -> streamed statistics
   ridge, mlp                                                    fit
   mapper, plan, handoff                                         apply a map, plan memory, hand a context over
-  figures                                                       draw the layer R^2 map (tutorial.md)
+  figures                                                       the layer R^2 map; diagnostics vs retention
   answers, tasks                                                answer metrics; the task registry and items
   summary, evals                                                records -> retention; conditions, the run loop
   bench                                                         measure speed
   hf                                                            transformers interop: DynamicCache, transfer
+  pipeline, cli                                                 everything end to end (run.py); the kvt command
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from kvt.config import KvtError, load_config, shape  # noqa: E402
 from kvt.model import build_model, generate, load_model  # noqa: E402

@@ -10,6 +10,7 @@ What kvt does not implement is refused with a one-line KvtError naming the key, 
 """
 import hashlib
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -136,6 +137,18 @@ def download_hint(path):
         return f"python -m kvt.toy train --out {Path(path).parent} --members {name}"
     repo = SHAPES[name][0] if name in SHAPES else "<hub-repo>"
     return f"hf download {repo} --local-dir {path}"
+
+
+def find_weights(name, weights=None):
+    """The checkpoint folder of the model called `name`: WEIGHTS/<name> when a folder of checkpoints is
+    given, else the first that exists of ./weights/<name>, the weights/ beside kvt's own source (a
+    working copy of the repository) and <prefix>/share/kvt/weights/<name> (the toy family pip installs);
+    the first of them when none does (loading it then says how to get it)."""
+    if weights is not None:
+        return Path(weights) / name
+    places = [Path("weights"), Path(__file__).resolve().parent.parent / "weights",
+              Path(sys.prefix) / "share" / "kvt" / "weights"]
+    return next((p / name for p in places if (p / name).is_dir()), places[0] / name)
 
 
 def load_config(path, context=None):

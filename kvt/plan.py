@@ -332,7 +332,7 @@ def summary(src_cfg, tgt_cfg, counts=(1, 2, 4, 8), gpus=("h100", "h200"), **kw):
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description="Print the memory plan of a pair on named GPUs (no hardware needed).")
     ap.add_argument("--pair", default="qwen3-14b:32b")
     ap.add_argument("--scope", default="layer", choices=["head", "layer"], help="layer: the paper's (default)")
@@ -346,7 +346,7 @@ def main():
     ap.add_argument("--gpu", default="h200", choices=sorted(GPUS))
     ap.add_argument("--count", type=int, default=1, help="how many of those GPUs")
     ap.add_argument("--summary", action="store_true", help="a table over scopes, statistics dtypes, H100/H200 x 1-8")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     src, tgt = (shape(n) for n in parse_pair(args.pair))
     kw = dict(k=args.k, context=args.context, batch=args.batch, calib_len=args.calib_len,
               dtype=getattr(torch, args.dtype), candidates=args.candidates)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvt
-import run
+from kvt import pipeline as run
 from kvt.config import KvtError
 from tests.conftest import ROOT, SHARED, tiny_config
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import kvt
-import run
+from tests.conftest import ROOT
+from kvt import pipeline as run
 
 ARGS = ["--tasks", "toy_recall,toy_count", "--limit", "12", "--calib-seqs", "20", "--calib-len", "48", "--k", "2",
         "--lam", "1e-6", "--no-bench"]
@@ -69,7 +70,7 @@ def test_mismatched_pair_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         import subprocess, sys  # noqa: E401
         p = subprocess.run([sys.executable, "run.py", "--pair", "llama3.2-1b:llama3.1-8b", "--weights", str(tmp_path)],
-                           capture_output=True, text=True, cwd=run.ROOT)
+                           capture_output=True, text=True, cwd=ROOT)
         raise SystemExit(p.stderr)
     msg = str(e.value).strip()
     assert msg.startswith("kvt: ") and len(msg.splitlines()) == 1, msg

@@ -10,7 +10,7 @@ import torch
 from conftest import SHARED, tiny_config
 
 import kvt
-import run
+from kvt import pipeline as run
 from kvt import evals as E
 from kvt import scoring, toy
 from kvt import summary as S

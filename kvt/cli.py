@@ -1,0 +1,43 @@
+"""The `kvt` command (installed by `pip install .`): one entry for every stage that has a command line.
+
+    kvt run [options]          calibrate, evaluate, benchmark and report on a pair (kvt/pipeline.py; = python run.py)
+    kvt bench [options]        prefill vs transfer on random weights of named shapes (kvt/bench.py)
+    kvt plan [options]         the memory plan of a pair on named GPUs (kvt/plan.py)
+    kvt toy train [options]    retrain the toy family (kvt/toy.py)
+    kvt family build [options] build a pruned and healed sibling of a checkpoint (kvt/family.py)
+    kvt figures r2|gate ...    the layer R^2 map of a pair; diagnostics against retention (kvt/figures.py)
+
+A problem the user can fix ends as one line on stderr, `kvt: ...`, with exit status 2 (argparse's own
+errors exit 2 too); Ctrl-C ends with a line saying that a rerun resumes, and exit status 130.
+"""
+import importlib
+import sys
+
+from kvt.config import KvtError
+
+COMMANDS = {"run": "pipeline", "bench": "bench", "plan": "plan", "toy": "toy", "family": "family", "figures": "figures"}
+EXIT_USER_ERROR = 2
+
+
+def entry(argv):
+    """Run `kvt <command> ...` with argv = [command, *its arguments]; exits with the statuses above."""
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR if argv and argv[0] not in ("-h", "--help") else 0)
+    module = importlib.import_module(f"kvt.{COMMANDS[argv[0]]}")
+    try:
+        module.main(argv[1:])
+    except KvtError as e:
+        print(f"kvt: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print("kvt: interrupted; run the same command again to resume where it stopped", file=sys.stderr)
+        sys.exit(130)
+
+
+def main():
+    entry(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,493 @@
+"""kvt end to end: calibrate (or reuse) a mapper for a pair, check it, evaluate, benchmark, report.
+
+    python run.py                                  # the toy family, offline, a minute on a CPU (or: kvt run)
+    python run.py --pair qwen3-14b:32b             # weights/qwen3-14b -> weights/qwen3-32b
+    python run.py --source DIR --target DIR --tasks arc_easy --limit 200
+
+This is the last stage of the data flow: it calls every other one. run.py, at the top of the
+repository, and the installed `kvt run` command (kvt/cli.py) both run main().
+
+The default mapper is the paper's configuration for every pair: layer scope (each target head reads all
+heads of the k selected source layers), k = 8, calibration on 500 sequences of 1,024 tokens (toy
+pairs: 200 of 256 from the toy corpus, the length toy models are trained on). Where kvt's defaults go
+beyond the paper they say so: the ridge lambda is picked per target layer and kind on a validation
+region (the paper states none), and features are standardized (ridge.py).
+
+Steps, each a call into one kvt stage:
+  1. checks before heavy work: the pair is matched-KV (or --scope layer), both tokenizers are the same,
+     weights and task data are present, the contexts fit the models, the memory plan fits;
+  2. calibration sequences in three disjoint regions (data.py) -> statistics, layer selection, ridge
+     (mapper.calibrate), saved to OUT/mapper-<settings>.safetensors and reused when it exists;
+     `--mapper mlp` swaps ridge for the paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
+  3. diagnostics on the diagnostics region and the gate (handoff.py);
+  4. every task (tasks.py; --task-file adds the user's own) under target / transfer / source / floor
+     (evals.py) on one seeded sample of items, one record per item and condition appended to
+     OUT/records-<settings>.jsonl as it is computed, so an interrupted run resumes;
+  5. prefill vs transfer timings (bench.py);
+  6. OUT/results.json (kvt's numbers, the same in lm-evaluation-harness's layout per condition under
+     "lm_eval", and the versions and hardware behind them) and OUT/report.md, and the tables on stdout.
+A problem the user can fix is one line on stderr and exit code 2.
+"""
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import kvt
+from kvt import dist, evals, tasks, toy
+from kvt.bench import bench, format_rows, hardware, random_mapper
+from kvt.config import KvtError, check_matched_kv, find_weights, load_config, parse_pair
+from kvt.data import calibration_sequences, check_same_tokenizer
+from kvt.handoff import diagnose, format_diagnostics, gate
+from kvt.mapper import FORMAT as MAPPER_FORMAT
+from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
+from kvt.model import layer_devices
+from kvt.plan import capacity, check_plan, format_plan, plan, split_to_fit
+from kvt.stats import FORMAT as STATS_FORMAT
+from kvt.summary import CORPUS, average_retention, coqa_agreement, coqa_turns, lm_eval_results, summarize
+from kvt.weights import fingerprint
+
+TOY_TASKS = "toy_recall,toy_recall_gen,toy_copy,toy_count"
+REAL_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k"
+REAL_CALIB = ("calib/wikitext-2", "calib/gutenberg")    # under the data folder: about 3.7M tokens of prose
+RECORDS_FORMAT = "kvt-records-2"                         # 2: keyed by item id, seeded item samples
+MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name> (default: the toy family)")
+    ap.add_argument("--source", type=Path, help="source checkpoint folder (instead of --pair)")
+    ap.add_argument("--target", type=Path, help="target checkpoint folder (instead of --pair)")
+    ap.add_argument("--weights", type=Path, help="folder of checkpoint folders (default: ./weights, then the toy "
+                    "family kvt ships)")
+    ap.add_argument("--data-dir", type=Path, default=Path(tasks.default_data_dir()), help="task data ($KVT_DATA)")
+    ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: DATA/calib/wikitext-2 "
+                    "and DATA/calib/gutenberg; the toy corpus for toy pairs)")
+    ap.add_argument("--calib-seqs", type=int, help="fit sequences (paper: 500; toy default 200), plus a tenth for "
+                    "validation and a twentieth for diagnostics, from other documents")
+    ap.add_argument("--calib-len", type=int, help="tokens per sequence (paper: 1024; toy default 256)")
+    ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
+    ap.add_argument("--lam", type=float, help="ridge lambda on standardized features (default: the best of "
+                    "ridge.LAMBDAS per target layer and kind, on the validation region; the paper gives none)")
+    ap.add_argument("--scope", choices=["layer", "head"], default="layer",
+                    help="layer: each target head from all heads of the selected layers (the paper's, default); "
+                    "head: head h from head h (kvt's option, about 8x smaller)")
+    ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"], default="ridge",
+                    help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
+                    "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
+    ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS})")
+    ap.add_argument("--task-file", type=Path, action="append", default=[],
+                    help="a Python file of your own tasks (kvt.tasks.Task), imported before --tasks is read; "
+                    "repeat for several")
+    ap.add_argument("--limit", type=int, help="items per task, a seeded sample (default: toy 200, real 500)")
+    ap.add_argument("--seed", type=int, default=0, help="the item sample and the calibration draw")
+    ap.add_argument("--bench", dest="bench", action="store_true", default=True)
+    ap.add_argument("--no-bench", dest="bench", action="store_false")
+    ap.add_argument("--bench-lengths", help="context lengths to time (default: toy 256,512,1024; CPU 512..4096; "
+                    "GPU up to 32768)")
+    ap.add_argument("--min-attn-cos", type=float, default=0.9, help="gate: mean attention-output cosine")
+    ap.add_argument("--max-kl", type=float, default=0.5, help="gate: next-token KL in nats")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--devices", help="split both models by layers over these, e.g. cuda:0,cuda:1 (under "
+                    "torchrun: shared out among the ranks of a node)")
+    ap.add_argument("--context", type=int, help="longest context to plan memory for (default: the longest bench length)")
+    ap.add_argument("--stats-dtype", choices=["float64", "float32"], default="float64",
+                    help="calibration statistics (float32 halves them; solves stay float64)")
+    ap.add_argument("--candidates", type=int, help="consider only this many evenly spaced source layers")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--out", type=Path, help="output folder (default: runs/<src>_<tgt>)")
+    return ap.parse_args(argv)
+
+
+def check_args(args):
+    """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
+    def positive(name, value, least=1, why=""):
+        if value is not None and value < least:
+            raise KvtError(f"--{name} {value}: must be at least {least}{why}")
+    positive("k", args.k, why=" (source layers per target layer; the paper uses 8)")
+    positive("calib-seqs", args.calib_seqs, why=" (calibration sequences; the paper uses 500)")
+    positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
+    positive("limit", args.limit, why=" (items per task)")
+    positive("candidates", args.candidates, 2, " (source layers to select from)")
+    if args.lam is not None and not (math.isfinite(args.lam) and args.lam > 0):
+        raise KvtError(f"--lam {args.lam}: the ridge lambda must be a positive number (or leave it out to pick one "
+                       "per target layer on validation data)")
+    for name in ("min_attn_cos", "max_kl"):
+        if not math.isfinite(getattr(args, name)):
+            raise KvtError(f"--{name.replace('_', '-')} must be a number")
+    if args.tasks is not None and not [t for t in args.tasks.split(",") if t.strip()]:
+        raise KvtError(f"--tasks is empty; name at least one task (known: {', '.join(tasks.TASKS)})")
+    if args.bench_lengths is not None:
+        try:
+            lengths = [int(n) for n in args.bench_lengths.split(",")]
+        except ValueError:
+            lengths = []
+        if not lengths or min(lengths) < 2:
+            raise KvtError(f"--bench-lengths {args.bench_lengths!r}: give comma-separated context lengths of at "
+                           "least 2 tokens, e.g. 512,1024,2048")
+    positive("context", args.context, 2)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise KvtError(f"--out {args.out} is a file; give a folder (it is created if missing)")
+
+
+def check_devices(devices):
+    """Every device named must exist here: a one-line error for a typo or a GPU this machine lacks."""
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError:
+            raise KvtError(f"unknown device {d!r}; use cpu, cuda or cuda:N")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise KvtError(f"--device {d}: CUDA is not available on this machine; use --device cpu")
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise KvtError(f"--device {d}: this machine has {torch.cuda.device_count()} CUDA devices")
+        if dev.type not in ("cpu", "cuda", "meta", "mps"):
+            raise KvtError(f"device {d!r} is not one kvt runs on; use cpu or cuda:N")
+
+
+def check_lengths(lengths, cfgs, tok):
+    """Every context the run will build fits both models, and the tokenizer's ids fit their vocabularies."""
+    limit = min(c.max_seq_len for c in cfgs)
+    if max(lengths) > limit:
+        raise KvtError(f"a context of {max(lengths)} tokens exceeds the models' limit of {limit} "
+                       "(max_position_embeddings); use shorter --bench-lengths, --context or --calib-len")
+    if tok.vocab_size > min(c.vocab_size for c in cfgs):
+        raise KvtError(f"the tokenizer has {tok.vocab_size} tokens, more than a model's vocabulary of "
+                       f"{min(c.vocab_size for c in cfgs)}; use the tokenizer that came with these weights")
+
+
+def resolve(args):
+    """(source dir, target dir, source name, target name)."""
+    if args.source or args.target:
+        if not (args.source and args.target):
+            raise KvtError("give both --source and --target (or --pair)")
+        return args.source, args.target, args.source.name, args.target.name
+    src, tgt = parse_pair(args.pair)
+    return find_weights(src, args.weights), find_weights(tgt, args.weights), src, tgt
+
+
+def short_hash(obj):
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def stats_key(args, src_dir, tgt_dir, calib):
+    """What calibration statistics depend on: both checkpoints' weights, the calibration tokens, the
+    statistics' dtype and candidates. Another lambda, k or mapper type reuses them."""
+    return {"format": STATS_FORMAT, "source": fingerprint(src_dir), "target": fingerprint(tgt_dir),
+            "calib": calib.hash(), "stats_dtype": args.stats_dtype, "candidates": args.candidates}
+
+
+def mapper_key(args, stats):
+    """Everything a mapper is made from: its statistics' key and the settings of the fit. A different
+    request, or the same one on retrained weights, never reuses a mapper (nor records made with it)."""
+    return {**stats, "format": MAPPER_FORMAT, "stats_format": stats["format"], "scope": args.scope, "k": args.k,
+            "lambda": args.lam, "mapper": args.mapper}
+
+
+def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
+    """Load the mapper made from these settings in OUT, or calibrate and save it (statistics checkpointed
+    under a name of their own, so another lambda, k or mapper type reads them again)."""
+    key = mapper_key(args, skey)
+    name = f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
+    path = out / f"mapper-{name}.safetensors"
+    if path.exists():
+        print(f"reusing {path}")
+        return load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_hash(key)).to(dtype=dtype), name
+    mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam,
+                               checkpoint=out / f"stats-{short_hash(skey)}", key=short_hash(skey),
+                               tokenizer=tok.fingerprint(), group=group,
+                               stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
+                               progress=dist.rank() == 0)
+    if args.mapper in MLP_MODES:
+        mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0)
+    mapper.meta["diagnostics"] = diagnose(source, target, mapper, calib.diag)  # a region no choice has seen
+    mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
+    mapper.meta["key"] = short_hash(key)
+    if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
+        save_mapper(mapper, path)
+    return mapper.to(dtype=dtype), name
+
+
+# ---- records ---------------------------------------------------------------------------------------------
+
+def record_files(path):
+    """The records of one run: `path` and, under torchrun, one file per rank beside it."""
+    return [f for f in [path, *sorted(path.parent.glob(f"{path.stem}.rank*.jsonl"))] if f.exists()]
+
+
+def read_records(path, header):
+    """The records of a jsonl file written by open_records, after checking its header line; a torn last
+    line (a crash in mid-write) is cut off, so the run redoes that record."""
+    with open(path, "rb") as f:
+        *lines, torn = f.read().split(b"\n")                      # torn: bytes after the last newline
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise KvtError(f"{path}: line {i + 1} is corrupt; delete the file to evaluate again, or use another --out")
+    if torn:
+        with open(path, "r+b") as f:
+            f.truncate(sum(len(line) + 1 for line in lines))
+    if rows and rows[0] != header:
+        raise KvtError(f"{path} holds records of other settings or an older kvt ({json.dumps(rows[0])[:120]}); "
+                       "delete it or use another --out")
+    return rows[1:]
+
+
+def open_records(path, header):
+    """Append mode, with the header as the first line of a new file."""
+    new = not path.exists() or path.stat().st_size == 0
+    f = open(path, "a")
+    if new:
+        f.write(json.dumps(header) + "\n")
+        f.flush()
+    return f
+
+
+def run_tasks(args, items, tok, conds, path, header):
+    """Evaluate every task's items under conds, appending each record to a jsonl as it lands, so a
+    stopped run resumes. Records are keyed by item id. Under torchrun each rank takes a share of the items
+    still to do and writes its own file. Returns the records of exactly these items."""
+    done = {(r["task"], r["condition"], r["id"]) for f in record_files(path) for r in read_records(f, header)}
+    mine = path if dist.world() == 1 else path.with_name(f"{path.stem}.rank{dist.rank()}.jsonl")
+    with open_records(mine, header) as f:
+        for task, its in items.items():
+            todo = [it.id for it in its if any((task, c, it.id) not in done for c in conds)]
+            mine_ids = set(dist.shard(todo))
+            skip = {(c, it.id) for it in its for c in conds if it.id not in mine_ids or (task, c, it.id) in done}
+            for rec in evals.evaluate(task, its, tok, conds, done=skip, progress=dist.rank() == 0):
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+    dist.barrier()
+    wanted = {(task, it.id) for task, its in items.items() for it in its}
+    return [r for f in record_files(path) for r in read_records(f, header) if (r["task"], r["id"]) in wanted]
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+
+def pct(x, digits=1):
+    return "-" if x is None else f"{100 * x:.{digits}f}"
+
+
+def format_summary(summary, average, src_name, tgt_name):
+    """The paper's table: accuracy per condition, retention and floor-normalized retention, and the
+    average retention over tasks of each task's primary metric (the paper's headline column)."""
+    lines = [f"| task | metric | target ({tgt_name}) | transfer | source ({src_name}) | floor | retention | floor-norm. retention | n |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(row, m):
+        if row is None or row.get(m) is None:
+            return "-"
+        lo, hi = row[m + "_ci"]
+        if m in CORPUS:  # a perplexity or bits per byte, not a percentage
+            num = lambda x: "-" if x is None else f"{x:.4g}"  # noqa: E731
+            return f"{num(row[m])} [{num(lo)}, {num(hi)}]"
+        return f"{pct(row[m])} [{pct(lo, 0)}, {pct(hi, 0)}]"
+
+    def ret(r, name):
+        if not r or r.get(name) is None:
+            return "-"
+        lo, hi = r.get(name + "_ci") or (None, None)
+        return f"{pct(r[name])}% [{pct(lo, 0)}, {pct(hi, 0)}]" if lo is not None else f"{pct(r[name])}%"
+
+    for task, conds in summary.items():
+        for m in tasks.get(task).metrics:
+            r = conds.get("retention", {}).get(m, {})
+            lines.append(f"| {task} | {m} | {cell(conds.get('target'), m)} | {cell(conds.get('transfer'), m)} | "
+                         f"{cell(conds.get('source'), m)} | {cell(conds.get('floor'), m)} | {ret(r, 'ratio')} | "
+                         f"{ret(r, 'floor_normalized')} | {conds.get('target', {}).get('n', 0)} |")
+    if average and average.get("tasks"):
+        acc = {c: {"mean": v, "mean_ci": average["accuracy_ci"][c]} for c, v in average["accuracy"].items()}
+        lines.append(f"| **average** ({len(average['tasks'])} tasks) | primary | {cell(acc.get('target'), 'mean')} | "
+                     f"{cell(acc.get('transfer'), 'mean')} | {cell(acc.get('source'), 'mean')} | "
+                     f"{cell(acc.get('floor'), 'mean')} | {ret(average, 'retention')} | {ret(average, 'floor_normalized')} | |")
+    return "\n".join(lines)
+
+
+def lambda_summary(meta):
+    """One line: the lambdas the fit chose per target layer, for K and V."""
+    def one(lams):
+        lams = sorted(lams)
+        return f"median {lams[len(lams) // 2]:g} (from {lams[0]:g} to {lams[-1]:g})" if len(set(lams)) > 1 else f"{lams[0]:g}"
+    lam = meta.get("lambda")
+    return "; ".join(f"{kind.upper()} {one(v)}" for kind, v in lam.items()) if isinstance(lam, dict) else str(lam)
+
+
+def strict(obj):
+    """obj with every non-finite float (a diagnostic of a model that produced NaN, say) as None: strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def versions(device):
+    """What produced the numbers: kvt, Python, torch, transformers (None where not installed; kvt never
+    needs it) and the processor (kvt.bench.hardware)."""
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = None
+    return {"kvt": kvt.__version__, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers, "hardware": hardware(device)}
+
+
+def bench_default(is_toy, device):
+    return "256,512,1024" if is_toy else ("2048,8192,32768" if device.startswith("cuda") else "512,1024,2048,4096")
+
+
+def write_atomic(path, text):
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    """Run everything (see the module docstring); returns the results dict. A run that fails leaves no
+    empty output folder behind (a folder with a checkpoint in it stays: the rerun resumes from it)."""
+    args = parse_args(argv)
+    check_args(args)
+    src_dir, tgt_dir, src_name, tgt_name = resolve(args)
+    out = args.out or Path("runs") / f"{src_name}_{tgt_name}"
+    created = not out.exists()
+    try:
+        return run(args, src_dir, tgt_dir, src_name, tgt_name, out)
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
+    t0 = time.time()
+    is_toy = src_name.startswith("toy-") or args.tasks is not None and args.tasks.startswith("toy_")
+    args.calib = args.calib or ([] if is_toy else [args.data_dir / c for c in REAL_CALIB])
+    args.calib_seqs = (200 if is_toy else 500) if args.calib_seqs is None else args.calib_seqs
+    args.calib_len = (256 if is_toy else 1024) if args.calib_len is None else args.calib_len
+    args.limit = (200 if is_toy else 500) if args.limit is None else args.limit
+    for f in args.task_file:  # the user's tasks, registered before --tasks is read
+        print(f"{f}: tasks {', '.join(tasks.load_task_file(f))}")
+    task_names = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
+    check_devices(args.devices.split(",") if args.devices else [args.device])
+    devices = dist.init(args.devices.split(",") if args.devices else [args.device])
+    args.device = devices[0]
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+
+    # 1. checks before heavy work
+    src_cfg, tgt_cfg = load_config(src_dir, args.calib_len), load_config(tgt_dir, args.calib_len)
+    check_matched_kv(src_cfg, tgt_cfg, args.scope)
+    src_tok, tok = kvt.load_tokenizer(src_dir), kvt.load_tokenizer(tgt_dir)
+    check_same_tokenizer(src_tok, tok)
+    lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
+    check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
+    items = {task: tasks.load_task(task, args.data_dir, args.limit, seed=args.seed) for task in task_names}
+    toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
+    calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text)
+    skey = stats_key(args, src_dir, tgt_dir, calib)
+    cap = capacity(devices)
+    memory = split_to_fit(plan(src_cfg, tgt_cfg, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
+                               dtype, devices, calib_len=args.calib_len, stats_dtype=getattr(torch, args.stats_dtype),
+                               candidates=args.candidates), cap)
+    if dist.rank() == 0:
+        print(format_plan(memory, cap, f"{src_name} -> {tgt_name}"))
+    check_plan(memory, cap)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
+    source = kvt.load_model(src_dir, dtype, devices=devices)
+    target = kvt.load_model(tgt_dir, dtype, devices=devices)
+    print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")
+
+    # 2-3. mapper and its diagnostics, with its weights where the target keeps each layer
+    mapper, name = get_mapper(args, source, target, tok, calib, out, skey, dtype, memory.options["group"])
+    mapper = mapper.place(layer_devices(target))
+    diag = mapper.meta["diagnostics"]
+    fit, reasons = gate(diag, args.min_attn_cos, args.max_kl)
+    print(format_diagnostics(diag))
+    print("gate: fit for use" if fit else "gate: UNFIT: " + "; ".join(reasons))
+
+    # 4. evaluation, all conditions on the same items
+    header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(dtype)}
+    conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
+    records = run_tasks(args, items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header)
+    summary, average = summarize(records), average_retention(records)
+    coqa = {}
+    if "coqa" in task_names:  # the other direction: the large model hands the conversation to the small one
+        back_key = stats_key(args, tgt_dir, src_dir, calib)
+        back, back_name = get_mapper(args, target, source, tok, calib, out, back_key, dtype)
+        back = back.place(layer_devices(source))
+        rev_header = dict(header, mapper=back_name)
+        rev = run_tasks(args, {"coqa": items["coqa"]}, tok,
+                        {"target": evals.Condition(source), "transfer": evals.Condition(source, evals.transfer(target, source, back))},
+                        out / f"records-{back_name}-{short_hash(rev_header)}.jsonl", rev_header)
+        coqa = {f"{src_name} -> {tgt_name}": {"gold": coqa_turns(records), "agreement": coqa_agreement(records)},
+                f"{tgt_name} -> {src_name}": {"gold": coqa_turns(rev), "agreement": coqa_agreement(rev)}}
+
+    if dist.rank() != 0:
+        return dist.close()
+
+    # 5. speed
+    rows = []
+    if args.bench:
+        back = random_mapper(tgt_cfg, src_cfg, args.scope, args.k, dtype, args.device)  # timing needs no fit
+        rows = bench(source, target, mapper, back, lengths, names=(src_name, tgt_name))
+
+    # 6. report
+    table = format_summary(summary, average, src_name, tgt_name)
+    k_used = mapper.meta.get("k", args.k)
+    report = [f"# kvt: {src_name} -> {tgt_name}", "",
+              f"mapper: {name}, {args.mapper}, {args.scope} scope, k={k_used}"
+              + (f" (of {args.k} asked; the source has {src_cfg.n_layers} layers)" if k_used != args.k else "")
+              + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
+              f"{args.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
+              f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
+              f"items: a seeded sample (seed {args.seed}) of up to {args.limit} per task, the same for every condition", "",
+              "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
+              "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
+              "## Accuracy (%, 95% interval) and retention", "", table]
+    for direction, c in coqa.items():
+        g, a = c["gold"], c["agreement"]
+        report += ["", f"## CoQA, handed over {direction}: gold F1 per turn", "",
+                   "| turn | " + " | ".join(str(t) for t in g["turns"]) + " |",
+                   "|---|" + "---|" * len(g["turns"])]
+        for cond in ("target", "transfer"):
+            report.append(f"| {cond} | " + " | ".join(f"{f:.1f}" for f in g["f1"][cond]) + " |")
+        num = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
+        report += ["", f"gold F1 target {num(g['mean']['target']['f1'], '.1f')}, transfer "
+                   f"{num(g['mean']['transfer']['f1'], '.1f')} (EM {num(g['mean']['target']['em'], '.1f')} / "
+                   f"{num(g['mean']['transfer']['em'], '.1f')}); gap target - transfer {num(g['mean_gap'], '+.1f')} F1 "
+                   f"points, its drift {num(g['drift']['gap'], '+.2f')} points per turn; transfer scored against the "
+                   f"target's own answers: F1 {num(a['mean'], '.1f')}, drift {num(a['drift_per_turn'], '+.2f')} per turn"]
+    if rows:
+        report += ["", "## Prefill vs transfer (seconds, median)", "", f"{hardware(args.device)}; {dtype}", "",
+                   format_rows(rows)]
+    report += ["", f"wall time {time.time() - t0:.0f} s"]
+    write_atomic(out / "report.md", "\n".join(report) + "\n")
+    settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
+                for k, v in vars(args).items()}
+    results = {"pair": [src_name, tgt_name], "mapper": name, "settings": settings, "k_used": k_used,
+               "lambda": mapper.meta.get("lambda"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
+               "tasks": summary, "average_retention": average, "coqa": coqa, "lm_eval": lm_eval_results(summary),
+               "bench": rows, "items": {task: [it.id for it in its] for task, its in items.items()},
+               "versions": versions(args.device), "wall_s": time.time() - t0}
+    write_atomic(out / "results.json", json.dumps(strict(results), indent=1, allow_nan=False))
+    print("\n" + "\n".join(report[report.index("## Accuracy (%, 95% interval) and retention"):]))
+    print(f"\nwrote {out / 'report.md'} and {out / 'results.json'}")
+    dist.close()
+    return results
+
