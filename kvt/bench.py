@@ -29,7 +29,7 @@ from kvt.config import parse_pair, shape
 from kvt.handoff import take_over
 from kvt.mapper import Mapper
 from kvt.model import Transformer, build_model, layer_devices
-from kvt.stats import KINDS
+from kvt.stats import KINDS, groups
 
 
 def n_params(cfg):
@@ -90,8 +90,7 @@ def hardware(device="cpu"):
 def random_mapper(src_cfg, tgt_cfg, scope="layer", k=8, dtype=torch.float32, device="cpu", seed=0):
     """A Mapper of the right shapes with random weights: for timing only."""
     k = min(k, src_cfg.n_layers)
-    G = src_cfg.n_kv_heads if scope == "head" else 1
-    Bx, By = src_cfg.n_kv_heads * src_cfg.head_dim // G, tgt_cfg.n_kv_heads * tgt_cfg.head_dim // G
+    G, Bx, By = groups(src_cfg, tgt_cfg, scope)
     g = torch.Generator().manual_seed(seed)
     layers = torch.stack([torch.randperm(src_cfg.n_layers, generator=g)[:k].sort().values
                           for _ in range(tgt_cfg.n_layers)])                          # (Lt, k)

@@ -214,9 +214,14 @@ def parse_pair(pair):
     return src, tgt
 
 
+def matched_kv(src, tgt):
+    """Do two configs share the KV-head count and head dim (a matched-KV pair, as the paper's are)?"""
+    return (src.n_kv_heads, src.head_dim) == (tgt.n_kv_heads, tgt.head_dim)
+
+
 def check_matched_kv(src, tgt, scope="head"):
     """Head scope maps head h to head h: the pair must share the KV-head count and head dim."""
-    if scope == "head" and (src.n_kv_heads, src.head_dim) != (tgt.n_kv_heads, tgt.head_dim):
+    if scope == "head" and not matched_kv(src, tgt):
         raise KvtError(f"not a matched-KV pair: source has {src.n_kv_heads} KV heads x {src.head_dim}, target "
                        f"{tgt.n_kv_heads} x {tgt.head_dim}; use --scope layer, which maps across shapes")
 

@@ -84,6 +84,38 @@ def save_png(r2, path, src_layers=None, selected=None, title=""):
     return True
 
 
+def retention_png(summary, primary, path, title=""):
+    """A run's accuracy per task (its primary metric, primary[task]) under each condition, with 95%
+    intervals, as a PNG: summary is summary.summarize()'s output. Returns False, writing nothing, when
+    matplotlib is not installed (pip install kvt[plots]); report.md has the same numbers as a table."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    conds = ["target", "transfer", "source", "floor"]
+    tasks = [t for t in summary if any(c in summary[t] for c in conds)]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(tasks) + 1.5), 3.6))
+    width = 0.8 / len(conds)
+    for i, c in enumerate(conds):
+        rows = [summary[t].get(c) for t in tasks]
+        m = primary
+        value = [100 * (r[m[t]] or 0) if r else 0 for r, t in zip(rows, tasks)]
+        lo = [100 * ((r[m[t]] or 0) - (r[m[t] + "_ci"][0] or 0)) if r else 0 for r, t in zip(rows, tasks)]
+        hi = [100 * ((r[m[t] + "_ci"][1] or 0) - (r[m[t]] or 0)) if r else 0 for r, t in zip(rows, tasks)]
+        ax.bar([x + (i - 1.5) * width for x in range(len(tasks))], value, width, yerr=[lo, hi], capsize=2, label=c)
+    ax.set_xticks(range(len(tasks)), [f"{t}\n({primary[t]})" for t in tasks], fontsize=8)
+    ax.set_ylabel("accuracy (%), 95% interval")
+    ax.set_ylim(0, 118)                                                # room for the legend above 100%
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=4, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return True
+
+
 def correlations(xs, ys):
     """(Pearson r, Spearman rho) of two equal-length lists."""
     x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
@@ -173,7 +205,7 @@ def main(argv=None):
 
     import kvt
     from kvt import toy
-    from kvt.config import KvtError, parse_pair
+    from kvt.config import KvtError, matched_kv, parse_pair
     from kvt.data import calibration_sequences, check_same_tokenizer
     from kvt.mapper import calibrate
 
@@ -193,7 +225,7 @@ def main(argv=None):
                            "e.g. ../shared/data/calib/wikitext-2")
         source = kvt.load_model(src_dir, device=args.device)
         target = kvt.load_model(tgt_dir, device=args.device)
-        matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (target.config.n_kv_heads, target.config.head_dim)
+        matched = matched_kv(src_cfg, target.config)
         mapper, report = calibrate(source, target, calib, "head" if matched else "layer", k=args.k, lam=args.lam,
                                    progress=False)
     except KvtError as e:

@@ -32,7 +32,7 @@ from kvt import dist, ridge, rope
 from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
-from kvt.config import Config, KvtError, check_matched_kv
+from kvt.config import Config, KvtError, check_matched_kv, matched_kv
 from kvt.stats import (KINDS, accumulate, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
                        new_stats, sums_bytes)
 
@@ -228,7 +228,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     C candidates, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the final fits."""
     src_cfg, tgt_cfg = source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
-    matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
+    matched = matched_kv(src_cfg, tgt_cfg)
     device = stats_device or next(source.parameters()).device
     lams = ridge.LAMBDAS if lam is None else (lam,)
     k = min(k, len(candidate_layers(src_cfg.n_layers, candidates)))

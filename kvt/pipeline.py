@@ -46,6 +46,7 @@ from kvt import dist, evals, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.config import KvtError, check_matched_kv, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
+from kvt.figures import retention_png
 from kvt.handoff import diagnose, format_diagnostics, gate
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
@@ -476,6 +477,10 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     if rows:
         report += ["", "## Prefill vs transfer (seconds, median)", "", f"{hardware(args.device)}; {dtype}", "",
                    format_rows(rows)]
+    shown = {t: tasks.get(t).primary for t in summary if tasks.get(t).primary not in CORPUS}
+    if shown and retention_png({t: summary[t] for t in shown}, shown, out / "retention.png", f"{src_name} -> {tgt_name}"):
+        at = report.index("## Accuracy (%, 95% interval) and retention") + 2
+        report[at:at] = ["![retention](retention.png)", ""]              # above the table it draws
     report += ["", f"wall time {time.time() - t0:.0f} s"]
     write_atomic(out / "report.md", "\n".join(report) + "\n")
     settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvt.config import KvtError, check_matched_kv, parse_pair, shape
+from kvt.config import KvtError, check_matched_kv, matched_kv, parse_pair, shape
 from kvt.stats import candidate_layers, groups, memory_plan
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
@@ -244,7 +244,7 @@ def alternatives(p, cap, most=16):
     if alone <= most:
         out.append(f"{alone} devices of {per / GiB:.0f} GiB (--devices)")
     changes = []
-    matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
+    matched = matched_kv(src_cfg, tgt_cfg)
     if o["calibrate"] and o["scope"] == "layer" and matched:
         changes.append(("--scope head", {"scope": "head"}))
     if o["calibrate"] and o["stats_dtype"] == torch.float64:
@@ -267,7 +267,7 @@ def calibration_passes(p):
     o = p.options
     if not o["calibrate"]:
         return 0
-    matched = (o["src_cfg"].n_kv_heads, o["src_cfg"].head_dim) == (o["tgt_cfg"].n_kv_heads, o["tgt_cfg"].head_dim)
+    matched = matched_kv(o["src_cfg"], o["tgt_cfg"])
     if o["scope"] == "head" or not matched:
         return 1
     group = o["group"] or o["tgt_cfg"].n_layers
@@ -280,7 +280,7 @@ def split_to_fit(p, cap):
     split plan (one target layer a pass) when nothing fits, so what is left to fix shows."""
     o = dict(p.options)
     src_cfg, tgt_cfg = o.pop("src_cfg"), o.pop("tgt_cfg")
-    matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
+    matched = matched_kv(src_cfg, tgt_cfg)
     if fits(p, cap) or not (o["calibrate"] and o["scope"] == "layer" and matched):
         return p
     for group in range(tgt_cfg.n_layers - 1, 0, -1):

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from kvt import dist
 from kvt.capture import capture, features
-from kvt.config import KvtError, check_matched_kv
+from kvt.config import KvtError, check_matched_kv, matched_kv
 
 KINDS = ("k", "v")
 SPLITS = ("fit", "val")
@@ -328,7 +328,7 @@ def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None
     after the other (each is freed before the next). Each also holds one batch of features."""
     check_matched_kv(src_cfg, tgt_cfg, scope)
     C, Lt = len(candidate_layers(src_cfg.n_layers, candidates)), tgt_cfg.n_layers
-    matched = (src_cfg.n_kv_heads, src_cfg.head_dim) == (tgt_cfg.n_kv_heads, tgt_cfg.head_dim)
+    matched = matched_kv(src_cfg, tgt_cfg)
     size = torch.empty((), dtype=dtype).element_size()
     rows = []
     if matched:  # head-level statistics over the candidate source layers (the whole of head scope)

@@ -96,3 +96,17 @@ def test_records_of_another_run_are_not_read_as_this_ones(tmp_path):
         (tmp_path / name).write_text("{}\n")
     got = [f.name for f in run.record_files(tmp_path / "records-a-1.jsonl")]
     assert got == ["records-a-1.jsonl", "records-a-1.rank0.jsonl", "records-a-1.rank1.jsonl"]
+
+
+def test_each_run_draws_its_retention_figure_or_says_nothing_without_matplotlib(pair, tmp_path, monkeypatch):
+    """With matplotlib (the [plots] extra, installed in CI) a run writes retention.png and report.md links
+    it; without it the run still ends, with the table alone. Guards: a figure that breaks a run where
+    matplotlib is missing, or a report linking a PNG that was never written."""
+    argv = ["--source", str(pair / "source"), "--target", str(pair / "twin")] + ARGS
+    run.main(argv + ["--out", str(tmp_path / "with")])
+    assert (tmp_path / "with" / "retention.png").stat().st_size > 1000
+    assert "![retention](retention.png)" in (tmp_path / "with" / "report.md").read_text()
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)          # import matplotlib now fails
+    run.main(argv + ["--out", str(tmp_path / "without")])
+    assert not (tmp_path / "without" / "retention.png").exists()
+    assert "retention.png" not in (tmp_path / "without" / "report.md").read_text()
