@@ -34,7 +34,7 @@ from tqdm import tqdm
 from kvt import scoring, tasks
 from kvt.answers import coqa_em, coqa_f1
 from kvt.config import KvtError
-from kvt.handoff import handoff
+from kvt.handoff import Recompute, handoff
 from kvt.model import generate
 # Also here, so that `from kvt import evals` reaches a whole evaluation (tutorial.md, section 10):
 from kvt.scoring import mc_metrics  # noqa: F401
@@ -55,11 +55,12 @@ class Condition:
         return scoring.prefill(self.model, ids, self.prefill)  # (1, V), cache
 
 
-def transfer(source, target, mapper):
+def transfer(source, target, mapper, recompute=Recompute()):
     """The transfer prefill: the source reads the context, the mapper carries its cache to the target,
-    which runs the last context token itself (kvt.handoff.handoff)."""
+    which runs the last context token itself (kvt.handoff.handoff), and recomputes the `recompute`
+    budget of slots first when one is given (kvt's option)."""
     def prefill(ids):
-        logits, cache = handoff(source, target, mapper, ids)  # (1, 1, V), the target's cache
+        logits, cache = handoff(source, target, mapper, ids, recompute=recompute)  # (1, 1, V), the target's cache
         return logits[:, -1], cache
     return prefill
 

@@ -47,7 +47,7 @@ from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.config import KvtError, check_matched_kv, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
-from kvt.handoff import diagnose, format_diagnostics, gate
+from kvt.handoff import Recompute, diagnose, format_diagnostics, gate
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
@@ -95,6 +95,11 @@ def parse_args(argv=None):
     ap.add_argument("--no-bench", dest="bench", action="store_false")
     ap.add_argument("--bench-lengths", help="context lengths to time (default: toy 256,512,1024; CPU 512..4096; "
                     "GPU up to 32768)")
+    ap.add_argument("--recompute-last", type=int, default=0, help="kvt's option: after mapping, the target "
+                    "recomputes the KV of the last R prompt tokens itself (the last one it always runs)")
+    ap.add_argument("--recompute-first", type=int, default=0, help="kvt's option: ... of the first S tokens")
+    ap.add_argument("--recompute-frac", type=float, default=0.0, help="kvt's option: ... of this fraction of the "
+                    "tokens, those the source attended to most while finishing the prompt")
     ap.add_argument("--min-attn-cos", type=float, default=0.9, help="gate: mean attention-output cosine")
     ap.add_argument("--max-kl", type=float, default=0.5, help="gate: next-token KL in nats")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -120,6 +125,10 @@ def check_args(args):
     positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
     positive("limit", args.limit, why=" (items per task)")
     positive("candidates", args.candidates, 2, " (source layers to select from)")
+    positive("recompute-last", args.recompute_last, 0, " (prompt tokens the target recomputes)")
+    positive("recompute-first", args.recompute_first, 0, " (prompt tokens the target recomputes)")
+    if not 0 <= args.recompute_frac <= 1:
+        raise KvtError(f"--recompute-frac {args.recompute_frac}: a fraction of the prompt, within [0, 1]")
     if args.lam is not None and not (math.isfinite(args.lam) and args.lam > 0):
         raise KvtError(f"--lam {args.lam}: the ridge lambda must be a positive number (or leave it out to pick one "
                        "per target layer on validation data)")
@@ -423,8 +432,10 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     print("gate: fit for use" if fit else "gate: UNFIT: " + "; ".join(reasons))
 
     # 4. evaluation, all conditions on the same items
-    header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(dtype)}
-    conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
+    recompute = Recompute(args.recompute_last, args.recompute_first, args.recompute_frac)
+    header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(dtype),
+              **({"recompute": [recompute.last, recompute.first, recompute.frac]} if recompute else {})}
+    conds = evals.conditions(target, source, evals.transfer(source, target, mapper, recompute))
     records = run_tasks(args, items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header)
     summary, average = summarize(records), average_retention(records)
     coqa = {}
@@ -457,6 +468,9 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
               + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
               f"{args.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
               f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
+              *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
+                 f"{recompute.first} and {100 * recompute.frac:g}% most attended prompt tokens after mapping"]
+                if recompute else []),
               f"items: a seeded sample (seed {args.seed}) of up to {args.limit} per task, the same for every condition", "",
               "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
               "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",

@@ -106,6 +106,8 @@ CASES = [
     ("lam 0", lambda w: argv(w, "--lam", "0"), ["--lam 0", "positive number"]),
     ("gate nan", lambda w: argv(w, "--max-kl", "nan"), ["--max-kl", "number"]),
     ("candidates 1", lambda w: argv(w, "--candidates", "1"), ["--candidates 1", "at least 2"]),
+    ("recompute negative", lambda w: argv(w, "--recompute-last", "-1"), ["--recompute-last -1", "at least 0"]),
+    ("recompute fraction above 1", lambda w: argv(w, "--recompute-frac", "1.5"), ["--recompute-frac 1.5", "within [0, 1]"]),
     ("cuda without cuda", lambda w: argv(w, "--device", "cuda"), ["CUDA is not available", "--device cpu"]),
     ("unknown device", lambda w: argv(w, "--device", "tpu"), ["unknown device 'tpu'", "use cpu"]),
     ("unknown device in list", lambda w: argv(w, "--devices", "cpu,gpu7"), ["unknown device 'gpu7'", "use cpu"]),

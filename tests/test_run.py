@@ -110,3 +110,14 @@ def test_each_run_draws_its_retention_figure_or_says_nothing_without_matplotlib(
     run.main(argv + ["--out", str(tmp_path / "without")])
     assert not (tmp_path / "without" / "retention.png").exists()
     assert "retention.png" not in (tmp_path / "without" / "report.md").read_text()
+
+
+def test_recompute_budgets_keep_their_own_records(pair, tmp_path):
+    """The recompute budget is part of what keys the records, so resuming never mixes budgets. Guards:
+    a rerun with another --recompute-* reading the first run's transfer records as done."""
+    argv = ["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path)] + ARGS
+    plain = run.main(argv)
+    wider = run.main(argv + ["--recompute-last", "3", "--recompute-first", "1"])
+    assert len(list(tmp_path.glob("records-*.jsonl"))) == 2
+    assert wider["settings"]["recompute_last"] == 3 and plain["settings"]["recompute_last"] == 0
+    assert "recompute (kvt's option)" in (tmp_path / "report.md").read_text()
