@@ -18,9 +18,11 @@ A pair whose two models do not fit in memory together runs with --lean (bench_le
 built in turn and only their caches are kept between them.
 """
 import argparse
+import json
 import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -106,8 +108,16 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+class Timing(float):
+    """A median time in seconds (it is that float) that also keeps the fastest and slowest run."""
+    def __new__(cls, times):
+        t = super().__new__(cls, statistics.median(times))
+        t.min, t.max = min(times), max(times)
+        return t
+
+
 def median_time(fn, device, repeats):
-    """Median wall time of fn() over `repeats` runs, after one warm-up run."""
+    """Median wall time of fn() over `repeats` runs, after one warm-up run (a Timing: .min, .max too)."""
     times = []
     for i in range(repeats + 1):
         sync(device)
@@ -116,7 +126,7 @@ def median_time(fn, device, repeats):
         sync(device)
         if i:  # run 0 warms up caches, allocator and kernels
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return Timing(times)
 
 
 def peak_memory_gb(device):
@@ -164,11 +174,14 @@ def rows(prefill, transfer, mappers, device):
     for n in next(iter(prefill.values())):
         for (src, tgt), t in transfer.items():
             m = mappers[src, tgt]
-            limit = prefill_flops(m.tgt_cfg, n) / transfer_flops(m.tgt_cfg, m.n_params(), n)
+            flops = prefill_flops(m.tgt_cfg, n), transfer_flops(m.tgt_cfg, m.n_params(), n)
             speedup = prefill[tgt][n] / t[n]
             out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
                         "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": speedup,
-                        "flop_limit": limit, "of_limit": speedup / limit, "mapper_mb": m.nbytes() / 2**20,
+                        "target_prefill_range": [prefill[tgt][n].min, prefill[tgt][n].max],
+                        "transfer_range": [t[n].min, t[n].max],
+                        "flop_limit": flops[0] / flops[1], "of_limit": speedup * flops[1] / flops[0],
+                        "prefill_flops": flops[0], "transfer_flops": flops[1], "mapper_mb": m.nbytes() / 2**20,
                         "peak_gb": peak_memory_gb(device)})
     return out
 
@@ -202,11 +215,12 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
 
 def format_rows(rows):
     """A markdown table of bench rows."""
-    out = ["| direction | tokens | source prefill s | target prefill s | transfer s | speedup | FLOP limit | reached | mapper MB |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| direction | tokens | source prefill s | target prefill s (min-max) | transfer s (min-max) | speedup "
+           "| FLOP limit | reached | mapper MB |", "|---|---|---|---|---|---|---|---|---|"]
+    span = lambda r, k: f"{r[k + '_s']:.3f} ({r[k + '_range'][0]:.3f}-{r[k + '_range'][1]:.3f})"  # noqa: E731
     for r in rows:
-        out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {r['target_prefill_s']:.3f} "
-                   f"| {r['transfer_s']:.3f} | {r['speedup']:.1f}x | {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
+        out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {span(r, 'target_prefill')} "
+                   f"| {span(r, 'transfer')} | {r['speedup']:.1f}x | {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
                    f"| {r['mapper_mb']:.1f} |")
     return "\n".join(out)
 
@@ -222,6 +236,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="default: bfloat16 on a GPU or a CPU with bf16 units (bench.bf16_units), else float32")
     ap.add_argument("--lean", action="store_true", help="hold one model at a time (a pair too large for memory)")
+    ap.add_argument("--json", type=Path, help="also write the rows, settings and processor here (kvt figures scaling)")
     args = ap.parse_args(argv)
     names = parse_pair(args.pair)
     args.dtype = args.dtype or default_dtype(args.device)
@@ -237,6 +252,10 @@ def main(argv=None):
           f"{args.repeats} after a warm-up{', one model at a time' if args.lean else ''}; "
           f"peak memory {max(r['peak_gb'] for r in table):.1f} GiB")
     print(format_rows(table))
+    if args.json:
+        args.json.write_text(json.dumps({"pair": args.pair, "scope": args.scope, "k": args.k, "dtype": args.dtype,
+                                         "hardware": hardware(args.device), "repeats": args.repeats, "rows": table},
+                                        indent=1))
 
 
 if __name__ == "__main__":

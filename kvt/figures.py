@@ -116,6 +116,53 @@ def retention_png(summary, primary, path, title=""):
     return True
 
 
+def scaling_figure(paths, png=None):
+    """Times of the target's prefill and of the transfer against context length, from `kvt bench --json`
+    files, on log-log axes, beside the FLOP model: each side's FLOPs at one rate (FLOP/s), the median of
+    its measured points. Prints the table; draws the PNG when matplotlib is installed."""
+    import json
+    import statistics
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    series = {}  # (direction, side) -> [(tokens, seconds, flops)]
+    for run in runs:
+        for r in run["rows"]:
+            for side in ("target_prefill", "transfer"):
+                flops = r["prefill_flops" if side == "target_prefill" else "transfer_flops"]
+                series.setdefault((r["direction"], side), []).append((r["tokens"], r[side + "_s"], flops))
+    print(f"{runs[0]['pair']}, {runs[0]['scope']} scope, {runs[0]['dtype']}; {runs[0]['hardware']}")
+    print(f"{'direction':<28} {'side':<15} {'rate GFLOP/s':>12}   tokens: seconds")
+    rates = {}
+    for (direction, side), points in sorted(series.items()):
+        points.sort()
+        rates[direction, side] = statistics.median(f / t for _, t, f in points)
+        times = "  ".join(f"{n}: {t:.3f}" for n, t, _ in points)
+        print(f"{direction:<28} {side:<15} {rates[direction, side] / 1e9:12.1f}   {times}")
+    if not png:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for (direction, side), points in sorted(series.items()):
+        n, t, f = zip(*points)
+        line = ax.plot(n, t, "o", label=f"{direction}: {side.replace('_', ' ')}")[0]
+        ax.plot(n, [x / rates[direction, side] for x in f], "-", color=line.get_color(), alpha=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("seconds (median)")
+    ax.set_title(f"{runs[0]['pair']}, {runs[0]['scope']} scope, {runs[0]['dtype']}: points measured, lines = FLOPs / "
+                 "one rate", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=150)
+    print(f"wrote {png}")
+
+
 def correlations(xs, ys):
     """(Pearson r, Spearman rho) of two equal-length lists."""
     x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
@@ -184,9 +231,10 @@ def gate_figure(paths, png=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Draw the source x target layer R^2 map of a pair and the layers "
                                  "calibration selects (terminal shades; --png with matplotlib).")
-    ap.add_argument("figure", choices=["r2", "gate"], help="r2: a pair's layer map; gate: diagnostics vs retention "
-                    "over finished runs (give their results.json files)")
-    ap.add_argument("results", nargs="*", type=Path, help="gate: results.json files of run.py")
+    ap.add_argument("figure", choices=["r2", "gate", "scaling"], help="r2: a pair's layer map; gate: diagnostics vs "
+                    "retention over finished runs (their results.json files); scaling: prefill and transfer time "
+                    "against context length (files of kvt bench --json)")
+    ap.add_argument("results", nargs="*", type=Path, help="gate: results.json files; scaling: bench JSON files")
     ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name>")
     ap.add_argument("--weights", type=Path, default=Path(__file__).resolve().parent.parent / "weights")
     ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: the toy corpus for toy "
@@ -202,6 +250,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.figure == "gate":
         return gate_figure(args.results, args.png)
+    if args.figure == "scaling":
+        return scaling_figure(args.results, args.png)
 
     import kvt
     from kvt import toy

@@ -34,7 +34,8 @@ def test_median_time_drops_the_warm_up_and_takes_the_median(monkeypatch):
 
     def run():
         clock[0] += next(durations)
-    assert B.median_time(run, "cpu", repeats=3) == 3.0
+    t = B.median_time(run, "cpu", repeats=3)
+    assert t == 3.0 and (t.min, t.max) == (1.0, 5.0)
 
 
 def test_bench_and_bench_lean_time_the_same_things():

@@ -82,7 +82,7 @@ def test_mapper_is_placed_where_the_target_keeps_each_layer(pair, tmp_path, monk
     its weights host to device again (and the bench times that copy)."""
     seen = []
     real = run.evals.transfer
-    monkeypatch.setattr(run.evals, "transfer", lambda s, t, m: seen.append((m, t)) or real(s, t, m))
+    monkeypatch.setattr(run.evals, "transfer", lambda s, t, m, *a: seen.append((m, t)) or real(s, t, m, *a))
     run.main(["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path)] + ARGS)
     mapper, target = seen[0]
     assert mapper.placed and mapper.devices() == kvt.model.layer_devices(target)
