@@ -90,6 +90,8 @@ def parse_args(argv=None):
                     help="a Python file of your own tasks (kvt.tasks.Task), imported before --tasks is read; "
                     "repeat for several")
     ap.add_argument("--limit", type=int, help="items per task, a seeded sample (default: toy 200, real 500)")
+    ap.add_argument("--task-limit", action="append", default=[], metavar="TASK=N",
+                    help="items of one task, overriding --limit (repeatable), e.g. coqa=50")
     ap.add_argument("--seed", type=int, default=0, help="the item sample and the calibration draw")
     ap.add_argument("--bench", dest="bench", action="store_true", default=True)
     ap.add_argument("--no-bench", dest="bench", action="store_false")
@@ -124,6 +126,10 @@ def check_args(args):
     positive("calib-seqs", args.calib_seqs, why=" (calibration sequences; the paper uses 500)")
     positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
     positive("limit", args.limit, why=" (items per task)")
+    for spec in args.task_limit:
+        name, _, n = spec.partition("=")
+        if not n.isdigit() or int(n) < 1:
+            raise KvtError(f"--task-limit {spec!r}: give TASK=N with N at least 1, e.g. coqa=50")
     positive("candidates", args.candidates, 2, " (source layers to select from)")
     positive("recompute-last", args.recompute_last, 0, " (prompt tokens the target recomputes)")
     positive("recompute-first", args.recompute_first, 0, " (prompt tokens the target recomputes)")
@@ -404,7 +410,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     check_same_tokenizer(src_tok, tok)
     lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
     check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
-    items = {task: tasks.load_task(task, args.data_dir, args.limit, seed=args.seed) for task in task_names}
+    limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
+    items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
     calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text)
     skey = stats_key(args, src_dir, tgt_dir, calib)
@@ -471,7 +478,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
               *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
                  f"{recompute.first} and {100 * recompute.frac:g}% most attended prompt tokens after mapping"]
                 if recompute else []),
-              f"items: a seeded sample (seed {args.seed}) of up to {args.limit} per task, the same for every condition", "",
+              f"items: a seeded sample (seed {args.seed}) of up to {args.limit} per task"
+              + "".join(f", {t} {n}" for t, n in limits.items()) + ", the same for every condition", "",
               "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
               "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
               "## Accuracy (%, 95% interval) and retention", "", table]

@@ -100,6 +100,7 @@ CASES = [
     ("calib-seqs 0", lambda w: argv(w, "--calib-seqs", "0"), ["--calib-seqs 0", "at least 1"]),
     ("limit 0", lambda w: argv(w, "--limit", "0"), ["--limit 0", "at least 1"]),
     ("tasks empty", lambda w: argv(w, "--tasks="), ["--tasks is empty", "known"]),
+    ("task limit malformed", lambda w: argv(w, "--task-limit", "toy_recall"), ["--task-limit 'toy_recall'", "TASK=N"]),
     ("unknown task", lambda w: argv(w, "--tasks", "piqa"), ["unknown task 'piqa'", "known"]),
     ("lam negative", lambda w: argv(w, "--lam", "-1"), ["--lam -1", "positive number"]),
     ("lam nan", lambda w: argv(w, "--lam", "nan"), ["--lam nan", "positive number"]),
@@ -286,6 +287,12 @@ def test_a_smaller_limit_reports_only_its_own_items(world):
     results = run.main(args)
     assert results["tasks"]["toy_recall"]["target"]["n"] == 3
     assert results["items"]["toy_recall"] == world["results"]["items"]["toy_recall"][:3]
+
+
+def test_a_task_limit_overrides_the_limit_for_its_task(world):
+    folder = run_folder_copy(world, "task_limit")
+    results = run.main(argv(world, "--task-limit", "toy_recall=2", out=folder))
+    assert results["tasks"]["toy_recall"]["target"]["n"] == 2
 
 
 def test_results_json_is_strict_and_typed(world):
