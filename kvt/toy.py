@@ -284,7 +284,7 @@ def grow(small, cfg, seed=0):
     return big
 
 
-def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print, init=None):
+def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print, init=None, teacher=None):
     """A kvt Transformer trained with AdamW on rows of SEQ tokens that begin at document starts, as the
     evaluation contexts do. encode: str -> token ids. Returns the model (eval mode) and a record of the run.
 
@@ -292,7 +292,8 @@ def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print, init
     here). So the schedule is: warm up, hold the learning rate until held-out recall reaches SOLVED
     (checked every CHECK steps), then cool down linearly for COOL of the steps taken so far.
     init: a model to train on instead of a random one (a grown member, already solved): its whole
-    run of max_steps is the cooldown."""
+    run of max_steps is the cooldown. teacher: a model whose next-token distributions the student
+    learns (loss KL(teacher || student), no labels): distillation, sharing a teacher but no weights."""
     model = (init if init is not None else build_model(cfg, seed=seed)).train().requires_grad_(True)
     params = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # norms: no decay
@@ -309,7 +310,13 @@ def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print, init
         first = starts[torch.randint(0, len(starts), (BATCH,), generator=g)]       # (B,)
         rows = ids[first[:, None] + torch.arange(SEQ + 1)]                          # (B, SEQ+1)
         logits, _ = model(rows[:, :-1])                                             # (B, SEQ, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())        # logits[t] predict rows[t+1]
+        if teacher is None:
+            loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())    # logits[t] predict rows[t+1]
+        else:
+            with torch.no_grad():
+                want = teacher(rows[:, :-1])[0].log_softmax(-1)                     # (B, SEQ, V)
+            loss = F.kl_div(logits.log_softmax(-1).flatten(0, 1), want.flatten(0, 1), log_target=True,
+                            reduction="batchmean")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -369,6 +376,9 @@ def main(argv=None):
     p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="stop here if recall is not solved by then")
     p.add_argument("--grow-steps", type=int, default=GROW_STEPS, help="training steps of a grown member")
     p.add_argument("--seed", type=int, default=0, help="initialization and batch order (the corpus is always seed 0)")
+    p.add_argument("--scratch", action="store_true", help="train even grown members from scratch (a lineage control)")
+    p.add_argument("--teacher", type=Path, help="distill from this checkpoint's next-token distributions instead of "
+                   "learning the corpus' tokens (with --scratch: a shared teacher without shared weights)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # matrices this small run faster on one thread, and one thread is reproducible
     texts = corpus(N_DOCS, seed=0)
@@ -380,13 +390,16 @@ def main(argv=None):
     for name in [m for m in FAMILY if m in args.members]:        # parents before the members grown from them
         path, parent, cfg = Path(args.out) / name, FAMILY[name][3], config(name, vocab_size, tok.token_to_id(EOS))
         init, steps = None, args.max_steps
-        if parent is not None:
+        if parent is not None and not args.scratch:
             if parent not in done and not (Path(args.out) / parent / "model.safetensors").exists():
                 raise SystemExit(f"{name} is grown from {parent}: add {parent} to --members, or train it first")
             init, steps = grow(done.get(parent) or load_model(Path(args.out) / parent), cfg, args.seed), args.grow_steps
-        model, record = train(cfg, ids, starts, lambda s: tok.encode(s).ids, max_steps=steps, seed=args.seed, init=init)
+        teacher = load_model(args.teacher) if args.teacher else None
+        model, record = train(cfg, ids, starts, lambda s: tok.encode(s).ids, max_steps=steps, seed=args.seed, init=init,
+                              teacher=teacher)
         done[name] = model
-        record["grown_from"] = parent
+        record["grown_from"] = None if args.scratch else parent
+        record.update(seed=args.seed, teacher=str(args.teacher) if args.teacher else None)
         save(model, tok, path)
         encode = load_tokenizer(path).encode             # scored as every later user will read the folder
         acc, floor = choice_accuracy(model, encode, items), choice_accuracy(model, encode, items, context=False)
