@@ -113,7 +113,7 @@ def test_mlp_learns_what_ridge_cannot():
     A = torch.linalg.lstsq(xa[:1000], y[:1000]).solution
     linear = ((xa[1000:] @ A - y[1000:]) ** 2).mean() / y[1000:].var(0).mean()
     for hidden in (64, (64, 64)):                                                       # kvt's residual form, the paper's
-        p, loss = mlp.train(x[:1000], y[:1000], x[1000:], y[1000:], hidden=hidden, lr=3e-3, batch=32, max_epochs=60)
+        p, loss = mlp.train(x[:1000], y[:1000], x[1000:], y[1000:], hidden=hidden, lr=3e-3, batch=32, max_epochs=60, patience=10)
         assert mlp.n_layers(p) == (2 if hidden == 64 else 3)
         val = ((mlp.forward(p, x[1000:]) - y[1000:]) ** 2).mean() / y[1000:].var(0).mean()
         assert val < 0.5 * linear, f"{hidden}: MLP validation error {val:.3f} vs linear {linear:.3f}"
