@@ -52,7 +52,7 @@ def train(x_fit, y_fit, x_val, y_val, hidden=PAPER_HIDDEN, lr=1e-3, weight_decay
         layers = [nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
     net = nn.Sequential(*[m for lin in layers[:-1] for m in (lin, nn.GELU())], layers[-1]).to(xf.device)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
-    best, best_state, bad = float("inf"), None, 0
+    best, best_state, ref, bad = float("inf"), None, float("inf"), 0
     for _ in range(max_epochs):
         with torch.enable_grad():
             for idx in torch.randperm(len(xf), generator=g).split(batch):
@@ -62,9 +62,11 @@ def train(x_fit, y_fit, x_val, y_val, hidden=PAPER_HIDDEN, lr=1e-3, weight_decay
                 opt.step()
         with torch.no_grad():
             val = F.mse_loss(net(xv), yv).item()
-        if val < best * (1 - 1e-2):                                     # at least 1% better than the best so far
-            best, bad = val, 0
+        if val < best:                                                  # keep the best epoch, however small the gain
+            best = val
             best_state = [(lin.weight.detach().clone(), lin.bias.detach().clone()) for lin in layers]
+        if val < ref * (1 - 1e-2):                                      # but only a 1% gain resets the patience
+            ref, bad = val, 0
         else:
             bad += 1
             if bad >= patience:

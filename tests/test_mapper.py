@@ -120,6 +120,18 @@ def test_mlp_learns_what_ridge_cannot():
         assert abs(val - loss) < 0.05 * linear, "train() reports its validation loss in variance units"
 
 
+def test_mlp_keeps_its_best_epoch_when_gains_are_small():
+    """Early stopping waits for a 1% gain, but the weights returned are the best epoch's. Guards: keeping
+    the state of the last 1% gain (here epoch 1), which throws away every smaller gain after it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1200, 8, generator=g)
+    y = torch.tanh(x @ torch.randn(8, 4, generator=g))
+    args = (x[:1000], y[:1000], x[1000:], y[1000:])
+    _, one = mlp.train(*args, hidden=16, lr=3e-5, batch=100, max_epochs=1)   # each epoch gains well under 1%
+    _, more = mlp.train(*args, hidden=16, lr=3e-5, batch=100, max_epochs=30, patience=3)
+    assert more < one - 1e-3, f"validation loss {more:.4f} after early stopping, {one:.4f} after one epoch"
+
+
 def test_mlp_backstop_on_a_mapper(tmp_path):
     """The paper's MLP replaces ridge: its map ignores the ridge weights entirely, and has two hidden
     layers. kvt's residual MLP adds to ridge. Guards: replace mode still adding the ridge map, a

@@ -1,4 +1,4 @@
-"""plan.py: the memory plan equals the closed-form counts (docs/multi-device.md), the models' real
+"""plan.py: the memory plan equals the closed-form counts (README, "Past one device"), the models' real
 parameter counts and model.place's split, and a plan that does not fit says what would."""
 import pytest
 import torch
