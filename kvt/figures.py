@@ -228,13 +228,59 @@ def gate_figure(paths, png=None):
         print(f"wrote {png}")
 
 
+def recompute_rows(results):
+    """From run.py results of one pair at several recompute budgets: rows of (strategy, budget fraction,
+    average retention, {task: retention of its primary metric}), sorted by strategy, then budget."""
+    rows = []
+    for r in results:
+        st, avg = r["settings"], r["average_retention"]
+        frac = st.get("recompute_frac") or 0.0
+        by = st.get("recompute_by") or "attention"
+        tasks = {t: r["tasks"][t]["retention"][m]["ratio"] for t, m in avg["metric"].items()}
+        for strategy in ([by] if frac else ["attention", "suffix"]):  # budget 0 starts both curves
+            rows.append((strategy, frac, avg["retention"], tasks))
+    return sorted(rows, key=lambda row: (row[0], row[1]))
+
+
+def recompute_figure(paths, png=None):
+    """Print retention against the recompute budget over run.py results (and draw it as a PNG)."""
+    import json
+    rows = recompute_rows([json.loads(Path(p).read_text()) for p in paths])
+    tasks = list(rows[0][3])
+    print(f"{'tokens chosen by':<17} {'budget':>6} {'average':>8} " + " ".join(f"{t:>14}" for t in tasks))
+    for by, frac, avg, per in rows:
+        print(f"{by:<17} {100 * frac:5.0f}% {100 * avg:7.1f}% " + " ".join(f"{100 * per[t]:13.1f}%" for t in tasks))
+    if png:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+            return
+        fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(3 * (len(tasks) + 1), 3.2), sharey=True)
+        for ax, name in zip(axes, ["average"] + tasks):
+            for by in sorted({row[0] for row in rows}):
+                xs = [100 * row[1] for row in rows if row[0] == by]
+                ys = [100 * (row[2] if name == "average" else row[3][name]) for row in rows if row[0] == by]
+                ax.plot(xs, ys, marker="o", label=by)
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("recomputed prompt tokens (%)")
+        axes[0].set_ylabel("retention (%)")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(png, dpi=150)
+        print(f"wrote {png}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Draw the source x target layer R^2 map of a pair and the layers "
                                  "calibration selects (terminal shades; --png with matplotlib).")
-    ap.add_argument("figure", choices=["r2", "gate", "scaling"], help="r2: a pair's layer map; gate: diagnostics vs "
-                    "retention over finished runs (their results.json files); scaling: prefill and transfer time "
-                    "against context length (files of kvt bench --json)")
-    ap.add_argument("results", nargs="*", type=Path, help="gate: results.json files; scaling: bench JSON files")
+    ap.add_argument("figure", choices=["r2", "gate", "scaling", "recompute"], help="r2: a pair's layer map; gate: "
+                    "diagnostics vs retention over finished runs (their results.json files); scaling: prefill and "
+                    "transfer time against context length (files of kvt bench --json); recompute: retention "
+                    "against the recompute budget (results.json of one pair's runs at several budgets)")
+    ap.add_argument("results", nargs="*", type=Path, help="gate, recompute: results.json files; scaling: bench JSON files")
     ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name>")
     ap.add_argument("--weights", type=Path, default=Path(__file__).resolve().parent.parent / "weights")
     ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: the toy corpus for toy "
@@ -252,6 +298,8 @@ def main(argv=None):
         return gate_figure(args.results, args.png)
     if args.figure == "scaling":
         return scaling_figure(args.results, args.png)
+    if args.figure == "recompute":
+        return recompute_figure(args.results, args.png)
 
     import kvt
     from kvt import toy

@@ -11,7 +11,7 @@ mapping, the target recomputes the K and V of a budget of the mapped slots itsel
 each recomputed token attending to the mapped slots and the recomputed ones before it, and keeps the
 mapped KV elsewhere. Recompute(last=r) takes the r slots before the final token (a wider handoff),
 first=s the first s (attention sinks), frac=f the f*(T-1) slots the source attended to most while
-finishing the prompt (attention_mass). Recomputing every slot is the target's own prefill.
+finishing the prompt (attention_mass), or with by="suffix" the last f*(T-1) (the baseline for it). Recomputing every slot is the target's own prefill.
 
 Diagnostics on held-out sequences, and a gate declaring a mapper fit or unfit for use:
   R^2 per layer for K and V (position-free), how much of the target's KV variance the map explains;
@@ -39,19 +39,24 @@ class Recompute:
     """Which mapped slots the target recomputes itself (see the module docstring)."""
     last: int = 0       # the last r slots before the final prompt token
     first: int = 0      # the first s slots
-    frac: float = 0.0   # this fraction of the slots, those the source attended to most
+    frac: float = 0.0   # this fraction of the slots, chosen by `by`:
+    by: str = "attention"  # those the source attended to most, or "suffix": the last ones
 
     def __bool__(self):
         return bool(self.last or self.first or self.frac)
 
     def slots(self, n, scores=None):
         """Ascending slot numbers (LongTensor) among n mapped slots; scores (n,): the source's attention
-        mass per slot, needed when frac > 0."""
-        if min(self.last, self.first, self.frac) < 0 or self.frac > 1:
-            raise KvtError(f"recompute budget {self}: counts must be >= 0 and the fraction within [0, 1]")
+        mass per slot, needed when frac > 0 and by == "attention"."""
+        if min(self.last, self.first, self.frac) < 0 or self.frac > 1 or self.by not in ("attention", "suffix"):
+            raise KvtError(f"recompute budget {self}: counts must be >= 0, the fraction within [0, 1], "
+                           f"and by 'attention' or 'suffix'")
         chosen = set(range(max(0, n - self.last), n)) | set(range(min(self.first, n)))
-        if self.frac:
-            chosen |= set(scores.topk(round(self.frac * n)).indices.tolist())
+        m = round(self.frac * n)
+        if m and self.by == "suffix":
+            chosen |= set(range(n - m, n))
+        elif m:
+            chosen |= set(scores.topk(m).indices.tolist())
         return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
@@ -78,10 +83,10 @@ def handoff(source, target, mapper, ids, mask=None, recompute=Recompute()):
     if ids.shape[1] == 1:  # nothing to hand over
         return target(ids, mask=mask)
     _, src_cache = source(ids[:, :-1], mask=None if mask is None else mask[:, :-1], last=True,
-                          queries=recompute.frac > 0)
+                          queries=recompute.frac > 0 and recompute.by == "attention")
     slots = None
     if recompute:
-        scores = attention_mass(src_cache) if recompute.frac > 0 else None
+        scores = attention_mass(src_cache) if recompute.frac > 0 and recompute.by == "attention" else None
         slots = recompute.slots(ids.shape[1] - 1, scores)
     return take_over(target, mapper, src_cache, ids[:, -1:], None if mask is None else mask[:, -1:],
                      slots, None if slots is None else ids[:, slots])

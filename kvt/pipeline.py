@@ -102,6 +102,8 @@ def parse_args(argv=None):
     ap.add_argument("--recompute-first", type=int, default=0, help="kvt's option: ... of the first S tokens")
     ap.add_argument("--recompute-frac", type=float, default=0.0, help="kvt's option: ... of this fraction of the "
                     "tokens, those the source attended to most while finishing the prompt")
+    ap.add_argument("--recompute-by", choices=["attention", "suffix"], default="attention",
+                    help="which tokens --recompute-frac takes: the most attended (default) or the last ones")
     ap.add_argument("--min-attn-cos", type=float, default=0.9, help="gate: mean attention-output cosine")
     ap.add_argument("--max-kl", type=float, default=0.5, help="gate: next-token KL in nats")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -439,9 +441,10 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     print("gate: fit for use" if fit else "gate: UNFIT: " + "; ".join(reasons))
 
     # 4. evaluation, all conditions on the same items
-    recompute = Recompute(args.recompute_last, args.recompute_first, args.recompute_frac)
+    recompute = Recompute(args.recompute_last, args.recompute_first, args.recompute_frac, args.recompute_by)
     header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(dtype),
-              **({"recompute": [recompute.last, recompute.first, recompute.frac]} if recompute else {})}
+              **({"recompute": [recompute.last, recompute.first, recompute.frac]} if recompute else {}),
+              **({"recompute_by": recompute.by} if recompute.frac and recompute.by != "attention" else {})}
     conds = evals.conditions(target, source, evals.transfer(source, target, mapper, recompute))
     records = run_tasks(args, items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header)
     summary, average = summarize(records), average_retention(records)
@@ -476,7 +479,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
               f"{args.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
               f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
               *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
-                 f"{recompute.first} and {100 * recompute.frac:g}% most attended prompt tokens after mapping"]
+                 f"{recompute.first} and {100 * recompute.frac:g}% "
+                 f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
                 if recompute else []),
               f"items: a seeded sample (seed {args.seed}) of up to {args.limit} per task"
               + "".join(f", {t} {n}" for t, n in limits.items()) + ", the same for every condition", "",

@@ -136,6 +136,8 @@ def test_recompute_budgets_pick_the_slots_they_name():
     assert Recompute(last=2).slots(10).tolist() == [8, 9]
     assert Recompute(first=1, last=1).slots(10).tolist() == [0, 9]
     assert Recompute(frac=0.2).slots(10, scores).tolist() == [1, 3]
+    assert Recompute(frac=0.2, by="suffix").slots(10).tolist() == [8, 9]                # the baseline for attention
+    assert Recompute(frac=0.2, first=1, by="suffix").slots(10).tolist() == [0, 8, 9]
     model = kvt.build_model(tiny_config("qwen3", n_layers=2), seed=0)
     _, cache = model(PROMPTS[:1], queries=True)
     mass = attention_mass(cache, window=4)
