@@ -12,6 +12,7 @@ Stages, in the order data flows (a module never imports from a later one):
   answers, tasks                                                answer metrics; the task registry and items
   summary, evals                                                records -> retention; conditions, the run loop
   bench                                                         measure speed
+  cascade                                                       a small -> large cascade: accuracy against cost
   hf                                                            transformers interop: DynamicCache, transfer
   pipeline, cli                                                 everything end to end (run.py); the kvt command
 """

@@ -1,0 +1,174 @@
+"""The cascade a transfer is for (kvt's, beyond the paper): a small model answers; when it is unsure,
+the query escalates to a large model, which needs the prompt's KV one of three ways:
+
+    prefill    the large model reads the prompt itself (what serving does today)
+    transfer   kvt maps the small model's cache (the handoff: the large model runs the last token)
+    recompute  transfer, then the large model recomputes a budget of the mapped slots (handoff.Recompute)
+
+    python -m kvt.cascade runs/toy-s_toy-l/records-*.jsonl --recompute runs/rc/records-*.jsonl \
+        --shapes qwen3-0.6b:1.7b --tokens 4096
+
+Accuracy comes from the records of a finished run.py, which scored every item as the small model alone
+("source"), the large model after its own prefill ("target") and after a transfer ("transfer"); a
+second run with a recompute budget gives the third way. Same items, so the ways are compared item by
+item. Confidence is the probability the small model gives its own answer among the choices (the softmax
+of their loglikelihoods), for multiple-choice tasks; escalating the n least confident items for every n
+sweeps the escalation rate from 0 to 100%.
+
+Cost per query comes from the FLOP model of kvt/bench.py on real model shapes (--shapes: a toy's
+prefill costs too little to be worth timing): the small model's prefill for every query, plus, for an
+escalated one, the large model's prefill, the transfer (mapper and the large model's last token), or the
+transfer plus the recomputed fraction of a prefill. Costs are in units of the large model's prefill of
+the same prompt. --bench adds seconds to the first token of an escalated answer, from a `kvt bench
+--json` file measured at --tokens (recompute: its fraction of the measured large prefill, on top).
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from kvt.bench import prefill_flops, transfer_flops
+from kvt.config import KvtError, parse_pair, shape
+from kvt.plan import mapper_bytes
+
+WAYS = ("prefill", "transfer", "recompute")
+
+
+def read(path):
+    """{(task, condition, id): record} of a records jsonl (the header line and torn lines skipped)."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "task" in r:
+            out[r["task"], r["condition"], r["id"]] = r
+    if not out:
+        raise KvtError(f"{path} holds no records; give the records-*.jsonl of a finished run.py")
+    return out
+
+
+def confidence(record):
+    """The probability the model gives its chosen answer among the choices: softmax(lls)[pred]."""
+    top = max(record["lls"])
+    return 1 / sum(math.exp(ll - top) for ll in record["lls"])
+
+
+def items(records, recompute=None):
+    """[(confidence, small right, large right after prefill, after transfer, after recompute or None)]
+    over every multiple-choice item scored under source, target and transfer."""
+    rows = []
+    for (task, cond, id_), src in records.items():
+        if cond != "source" or "lls" not in src:
+            continue
+        tgt, tr = records.get((task, "target", id_)), records.get((task, "transfer", id_))
+        if tgt is None or tr is None:
+            continue
+        rc = None if recompute is None else recompute.get((task, "transfer", id_))
+        rows.append((confidence(src), src["acc"], tgt["acc"], tr["acc"], None if rc is None else rc["acc"]))
+    if not rows:
+        raise KvtError("no multiple-choice item was scored under source, target and transfer in these records")
+    if recompute is not None and any(r[4] is None for r in rows):
+        raise KvtError("the --recompute records do not cover every item of the run; use a run of the same items")
+    return sorted(rows, key=lambda r: r[0])  # least confident first: the first to escalate
+
+
+def costs(small, large, tokens, scope="layer", k=8, frac=0.0):
+    """Per-query FLOPs in units of the large model's prefill: (small prefill, and the escalation by each way)."""
+    big = prefill_flops(large, tokens)
+    mapped = transfer_flops(large, sum(mapper_bytes(small, large, scope, k, ("cpu",)).values()) // 4, tokens)
+    return prefill_flops(small, tokens) / big, {"prefill": 1.0, "transfer": mapped / big,
+                                                "recompute": (mapped + frac * big) / big}
+
+
+def sweep(rows, base, escalate, rates=tuple(i / 10 for i in range(11))):
+    """At each escalation rate: accuracy of each way and compute per query (units of a large prefill)."""
+    out = []
+    for rate in rates:
+        n = round(rate * len(rows))
+        acc = {}
+        for i, way in enumerate(WAYS):
+            if way == "recompute" and rows[0][4] is None:
+                continue
+            acc[way] = sum(r[2 + i] if j < n else r[1] for j, r in enumerate(rows)) / len(rows)
+        out.append({"rate": n / len(rows), "threshold": rows[n - 1][0] if n else 0.0, "accuracy": acc,
+                    "cost": {way: base + n / len(rows) * escalate[way] for way in acc}})
+    return out
+
+
+def format_sweep(table, seconds=None):
+    ways = list(table[0]["accuracy"])
+    head = "| escalated | below confidence | " + " | ".join(f"acc, {w}" for w in ways) + " | " + \
+        " | ".join(f"cost, {w}" for w in ways) + " |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(ways))]
+    for row in table:
+        lines.append(f"| {100 * row['rate']:.0f}% | {row['threshold']:.3f} | "
+                     + " | ".join(f"{100 * row['accuracy'][w]:.1f}" for w in ways) + " | "
+                     + " | ".join(f"{row['cost'][w]:.3f}" for w in ways) + " |")
+    if seconds:
+        lines += ["", "seconds to the first token of an escalated answer: "
+                  + ", ".join(f"{w} {s:.3f}" for w, s in seconds.items() if w in ways)]
+    return "\n".join(lines)
+
+
+def bench_seconds(path, direction, tokens, frac):
+    """Seconds to an escalated answer's first token, from a kvt bench --json file's row of `direction`
+    ("small -> large") at `tokens`."""
+    rows = [r for r in json.loads(Path(path).read_text())["rows"] if (r["direction"], r["tokens"]) == (direction, tokens)]
+    if not rows:
+        raise KvtError(f"{path} has no {direction} row at {tokens} tokens; run kvt bench --lengths {tokens} --json {path}")
+    r = rows[0]
+    small, large, tr = r["source_prefill_s"], r["target_prefill_s"], r["transfer_s"]
+    return {"prefill": small + large, "transfer": small + tr, "recompute": small + tr + frac * large}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="A small -> large cascade from a finished run's records: accuracy "
+                                 "and compute per query as the escalation rate sweeps from 0 to 100%.")
+    ap.add_argument("records", type=Path, help="records-*.jsonl of a run.py (source, target, transfer)")
+    ap.add_argument("--recompute", type=Path, help="records of the same run with a --recompute-* budget")
+    ap.add_argument("--frac", type=float, default=0.1, help="that run's recompute fraction, for its cost")
+    ap.add_argument("--shapes", default="qwen3-0.6b:1.7b", help="FAMILY-SMALL:LARGE whose FLOPs price a query")
+    ap.add_argument("--tokens", type=int, default=4096, help="prompt length that prices a query")
+    ap.add_argument("--scope", default="layer", choices=["layer", "head"])
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--bench", type=Path, help="a kvt bench --json file of the same shapes, for seconds")
+    ap.add_argument("--png", type=Path, help="also draw accuracy against cost (needs matplotlib)")
+    args = ap.parse_args(argv)
+    try:
+        rows = items(read(args.records), read(args.recompute) if args.recompute else None)
+        names = parse_pair(args.shapes)
+        small, large = (shape(n) for n in names)
+        base, escalate = costs(small, large, args.tokens, args.scope, args.k, args.frac)
+        seconds = bench_seconds(args.bench, " -> ".join(names), args.tokens, args.frac) if args.bench else None
+    except KvtError as e:
+        sys.exit(f"kvt: {e}")
+    table = sweep(rows, base, escalate)
+    print(f"cascade over {len(rows)} multiple-choice items ({args.records}); cost per query in large-model "
+          f"prefills of {args.tokens} tokens, {args.shapes} shapes, {args.scope} scope k={args.k}"
+          + (f", recompute {100 * args.frac:g}%" if args.recompute else ""))
+    print(format_sweep(table, seconds))
+    if args.png:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+            return table
+        fig, ax = plt.subplots(figsize=(4.5, 3.4))
+        for way in table[0]["accuracy"]:
+            ax.plot([r["cost"][way] for r in table], [100 * r["accuracy"][way] for r in table], marker="o", label=way)
+        ax.set_xlabel(f"compute per query (large-model prefills, {args.tokens} tokens)")
+        ax.set_ylabel("accuracy (%)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=150)
+        print(f"wrote {args.png}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
