@@ -11,9 +11,10 @@ the query escalates to a large model, which needs the prompt's KV one of three w
 Accuracy comes from the records of a finished run.py, which scored every item as the small model alone
 ("source"), the large model after its own prefill ("target") and after a transfer ("transfer"); a
 second run with a recompute budget gives the third way. Same items, so the ways are compared item by
-item. Confidence is the probability the small model gives its own answer among the choices (the softmax
-of their loglikelihoods), for multiple-choice tasks; escalating the n least confident items for every n
-sweeps the escalation rate from 0 to 100%.
+item, each right or wrong by its task's primary metric. The small model's confidence: for multiple
+choice, the probability it gives its own answer among the choices (the softmax of their
+loglikelihoods); for generation, exp of the mean log-probability of its answer's tokens. Escalating
+the n least confident items, for every n, sweeps the escalation rate from 0 to 100%.
 
 Cost per query comes from the FLOP model of kvt/bench.py on real model shapes (--shapes: a toy's
 prefill costs too little to be worth timing): the small model's prefill for every query, plus, for an
@@ -28,6 +29,7 @@ import math
 import sys
 from pathlib import Path
 
+from kvt import tasks
 from kvt.bench import prefill_flops, transfer_flops
 from kvt.config import KvtError, parse_pair, shape
 from kvt.plan import mapper_bytes
@@ -35,41 +37,52 @@ from kvt.plan import mapper_bytes
 WAYS = ("prefill", "transfer", "recompute")
 
 
+def index(records):
+    """{(task, condition, id): record} of records as evals.evaluate yields them."""
+    return {(r["task"], r["condition"], r["id"]): r for r in records if "task" in r}
+
+
 def read(path):
-    """{(task, condition, id): record} of a records jsonl (the header line and torn lines skipped)."""
-    out = {}
+    """index() of a records jsonl written by run.py (the header line and a torn last line skipped)."""
+    rows = []
     for line in Path(path).read_text().splitlines():
         try:
-            r = json.loads(line)
+            rows.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if "task" in r:
-            out[r["task"], r["condition"], r["id"]] = r
+    out = index(rows)
     if not out:
         raise KvtError(f"{path} holds no records; give the records-*.jsonl of a finished run.py")
     return out
 
 
 def confidence(record):
-    """The probability the model gives its chosen answer among the choices: softmax(lls)[pred]."""
-    top = max(record["lls"])
-    return 1 / sum(math.exp(ll - top) for ll in record["lls"])
+    """Multiple choice: the probability the model gives its chosen answer among the choices,
+    softmax(lls)[pred]. Generation: exp(mean log-probability of its tokens). None when neither is recorded."""
+    if "lls" in record:
+        top = max(record["lls"])
+        return 1 / sum(math.exp(ll - top) for ll in record["lls"])
+    return math.exp(record["logprob"]) if "logprob" in record else None
 
 
 def items(records, recompute=None):
     """[(confidence, small right, large right after prefill, after transfer, after recompute or None)]
-    over every multiple-choice item scored under source, target and transfer."""
+    over every item scored under source, target and transfer with a confidence (generation records
+    written before kvt recorded `logprob` have none), right = the task's primary metric."""
     rows = []
     for (task, cond, id_), src in records.items():
-        if cond != "source" or "lls" not in src:
+        if cond != "source" or confidence(src) is None:
             continue
         tgt, tr = records.get((task, "target", id_)), records.get((task, "transfer", id_))
         if tgt is None or tr is None:
             continue
+        m = tasks.TASKS[task].primary if task in tasks.TASKS else "acc"  # a task file not imported here
+        if m not in src:
+            continue
         rc = None if recompute is None else recompute.get((task, "transfer", id_))
-        rows.append((confidence(src), src["acc"], tgt["acc"], tr["acc"], None if rc is None else rc["acc"]))
+        rows.append((confidence(src), src[m], tgt[m], tr[m], None if rc is None else rc[m]))
     if not rows:
-        raise KvtError("no multiple-choice item was scored under source, target and transfer in these records")
+        raise KvtError("no item was scored under source, target and transfer with a confidence in these records")
     if recompute is not None and any(r[4] is None for r in rows):
         raise KvtError("the --recompute records do not cover every item of the run; use a run of the same items")
     return sorted(rows, key=lambda r: r[0])  # least confident first: the first to escalate
@@ -146,7 +159,7 @@ def main(argv=None):
     except KvtError as e:
         sys.exit(f"kvt: {e}")
     table = sweep(rows, base, escalate)
-    print(f"cascade over {len(rows)} multiple-choice items ({args.records}); cost per query in large-model "
+    print(f"cascade over {len(rows)} items ({args.records}); cost per query in large-model "
           f"prefills of {args.tokens} tokens, {args.shapes} shapes, {args.scope} scope k={args.k}"
           + (f", recompute {100 * args.frac:g}%" if args.recompute else ""))
     print(format_sweep(table, seconds))

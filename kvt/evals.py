@@ -117,12 +117,13 @@ def score_rolling(cond, tok, item, task):
 # ---------------------------------------------------------------------------------- generation
 
 @torch.no_grad()
-def generate_until(cond, tok, context, until, max_new_tokens):
-    """Greedy text after the context, cut at the first of the stop strings (the harness's generate_until)."""
+def generate_until(cond, tok, context, until, max_new_tokens, logprobs=None):
+    """Greedy text after the context, cut at the first of the stop strings (the harness's generate_until).
+    logprobs: an empty list, filled with the log-probability of each generated token."""
     ids = tok.encode(context) or [tok.prefix_id]
     last, cache = cond(torch.tensor([ids], device=_device(cond.model)))
     out = generate(cond.model, last, cache, max_new_tokens, stop_ids=(tok.eos_id,), stop=until,
-                   decode=tok.decode)[0]
+                   decode=tok.decode, logprobs=None if logprobs is None else [logprobs])[0]
     text = tok.decode(out)
     for s in until:
         text = text.split(s)[0]
@@ -130,13 +131,15 @@ def generate_until(cond, tok, context, until, max_new_tokens):
 
 
 def score_generation(cond, tok, item, task, max_new_tokens=None):
-    """generate_until: the greedy output, scored by the task's score(output, gold) (kvt/answers.py)."""
+    """generate_until: the greedy output, scored by the task's score(output, gold) (kvt/answers.py), and
+    the mean log-probability of its tokens (`logprob`: the model's confidence, kvt/cascade.py)."""
     context = item.floor if cond.floor else item.context
-    output = generate_until(cond, tok, context, item.until, max_new_tokens or task.max_new_tokens)
+    lps = []
+    output = generate_until(cond, tok, context, item.until, max_new_tokens or task.max_new_tokens, lps)
     scores = task.score(output, item.gold)
     if not isinstance(scores, dict) or not set(task.metrics) <= set(scores):
         raise KvtError(f"{task.name}: its score function returned {scores!r}, which lacks its metrics {task.metrics}")
-    return {"gold": item.gold, "output": output, **scores}
+    return {"gold": item.gold, "output": output, **scores, "logprob": sum(lps) / max(1, len(lps))}
 
 
 @torch.no_grad()

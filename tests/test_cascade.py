@@ -60,6 +60,18 @@ def test_costs_are_in_large_prefills():
     assert 0 < head["transfer"] < esc["transfer"] / 4                # head scope's mapper is 8x smaller
 
 
+def test_generation_confidence_is_the_answers_mean_token_probability(tmp_path):
+    """Generation records carry `logprob`, the mean log-probability of the answer's tokens, and are right
+    or wrong by the task's primary metric (em for toy_copy). Guards: generation items dropped from the
+    cascade, or scored by a metric they do not have."""
+    path = tmp_path / "g.jsonl"
+    lines = [{"task": "toy_copy", "condition": c, "id": "g1", "output": "x", "em": e, "logprob": lp}
+             for c, e, lp in (("source", 0.0, -0.5), ("target", 1.0, -0.1), ("transfer", 1.0, -0.2))]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (row,) = cascade.items(cascade.read(path))
+    assert row[:4] == (pytest.approx(math.exp(-0.5)), 0.0, 1.0, 1.0)
+
+
 def test_records_without_the_conditions_are_refused(tmp_path):
     """Guards: a run without transfer records giving an empty, silent table."""
     path = tmp_path / "r.jsonl"

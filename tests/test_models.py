@@ -92,6 +92,8 @@ def test_bf16_close_to_fp32():
 
 
 def test_generate_greedy_matches_argmax_loop():
+    """Guards: decode diverging from a full rerun, a stop token kept, and logprobs taken at the wrong
+    position or unnormalized."""
     model = kvt.load_model(GOLDEN / "qwen3")
     ids = torch.randint(0, 96, (1, 5))
     logits, cache = model(ids)
@@ -102,6 +104,10 @@ def test_generate_greedy_matches_argmax_loop():
     assert out == seq[0, 5:].tolist()
     stopped = kvt.generate(model, logits[:, -1], cache, 6, stop_ids={out[2]})[0]
     assert stopped == out[:out.index(out[2])]
+    lps = [[]]                                      # the confidence kvt/cascade.py reads
+    kvt.generate(model, logits[:, -1], cache, 6, logprobs=lps)
+    want = model(seq)[0][0, 4:-1].log_softmax(-1).gather(-1, seq[0, 5:, None])[:, 0]  # each token given those before
+    assert torch.allclose(torch.tensor(lps[0]), want, atol=1e-5), (lps[0], want)
 
 
 # ---- config and weights: every bad input is one line that says what to do ----
