@@ -151,6 +151,10 @@ def summarize(records, n_boot=1000):
 
 
 def _retention(conds, metrics, n_boot):
+    """{metric: {"n", "ratio", "ratio_ci"[, "floor_normalized", "floor_normalized_ci"]}} from conds
+    {condition: {item id: record}}: transfer over target (target over transfer where lower is better),
+    and (transfer - floor) / (target - floor), on the items every condition scored, with a paired
+    bootstrap interval (the same resampled items for every condition)."""
     names = ["transfer", "target"] + (["floor"] if "floor" in conds else [])
     common = _common(conds, names)
     ret = {}
