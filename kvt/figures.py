@@ -178,7 +178,7 @@ def gate_evidence(results, good_at=0.9):
     and how often a gate fitted on the other pairs calls a left-out pair right (retention >= good_at).
     Returns (rows, correlations {diagnostic: (r, rho)}, thresholds fitted on all, leave-one-out agreements)."""
     from kvt.handoff import fit_gate, gate
-    rows = [{"pair": " -> ".join(r["pair"]) + f" ({r['settings']['scope']}, {r['settings']['mapper']})",
+    rows = [{"pair": r.get("run", "") + " -> ".join(r["pair"]) + f" ({r['settings']['scope']}, {r['settings']['mapper']})",
              "r2": (r["diagnostics"]["r2_k_mean"] + r["diagnostics"]["r2_v_mean"]) / 2,
              "attn_cos": r["diagnostics"]["attn_cos_mean"], "kl": r["diagnostics"]["kl"],
              "retention": r["average_retention"]["retention"], "diag": r["diagnostics"]}
@@ -198,9 +198,9 @@ def gate_evidence(results, good_at=0.9):
 def gate_figure(paths, png=None):
     """Print gate_evidence over run.py results (and draw retention against each diagnostic as a PNG)."""
     import json
-    results = [json.loads(Path(p).read_text()) for p in paths]
+    results = [{**json.loads(Path(p).read_text()), "run": f"{Path(p).parent.name}: "} for p in paths]
     rows, corr, (c, k, agree), loo = gate_evidence(results)
-    print(f"{'pair':<58} {'mean R^2':>8} {'attn cos':>8} {'KL nats':>8} {'retention':>9}")
+    print(f"{'run: pair':<58} {'mean R^2':>8} {'attn cos':>8} {'KL nats':>8} {'retention':>9}")
     for r in sorted(rows, key=lambda r: -r["retention"]):
         print(f"{r['pair']:<58} {r['r2']:8.3f} {r['attn_cos']:8.3f} {r['kl']:8.4f} {100 * r['retention']:8.1f}%")
     print(f"\n{len(rows)} runs; correlation with average retention (Pearson r, Spearman rho):")
