@@ -77,7 +77,10 @@ def main():
         ref.eval()
         for T in map(int, args.tokens.split(",")):
             ids = torch.randint(0, ours.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
-            assert (ours(ids[:, :64])[0] - ref(ids[:, :64]).logits).abs().max() < 1e-2, "models differ"
+            # the same model? fp32 agrees to 4e-6; in bf16 each side is about 0.055 from the fp32 logits
+            # (std 0.64) on this shape, and so as far from the other: rounding, not a different model
+            tol = 1e-3 if dtype == torch.float32 else 0.15
+            assert (ours(ids[:, :64])[0] - ref(ids[:, :64]).logits).abs().max() < tol, "models differ"
             if not args.no_prefill:
                 k, h = race(lambda _: ours(ids), lambda _: ref(ids, use_cache=True), args.repeats)
                 print(row("prefill", name, T, k, h), flush=True)
