@@ -69,7 +69,9 @@ class Mapper:
         used = {kind: sorted(set(self.layers[kind].flatten().tolist())) for kind in KINDS}  # source layers read
         xs = {"k": {l: layer_features(rope.rotate(src_cache.keys[l].to(dtype), *src_rope(src_cache.keys[l].device)),
                                       self.scope) for l in used["k"]},       # RoPE stripped: (G, N, Bx) each
-              "v": {l: layer_features(src_cache.values[l].to(dtype), self.scope) for l in used["v"]}}
+              "v": {l: layer_features(src_cache.values[l].to(dtype), self.scope).contiguous() for l in used["v"]}}
+        # contiguous once here: a cache's values are often views into a longer buffer (crop, reserve), and
+        # bmm would copy such a view on every use, k times per source layer (halved apply at 2K tokens)
         keys, values = [None] * t.n_layers, [None] * t.n_layers
         for d in dict.fromkeys(devices):                                     # each device once, in layer order
             here = [l for l in range(t.n_layers) if devices[l] == d]
