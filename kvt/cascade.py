@@ -32,6 +32,7 @@ from pathlib import Path
 from kvt import tasks
 from kvt.bench import prefill_flops, transfer_flops
 from kvt.config import KvtError, parse_pair, shape
+from kvt.figures import pyplot
 from kvt.plan import mapper_bytes
 
 WAYS = ("prefill", "transfer", "recompute")
@@ -164,12 +165,8 @@ def main(argv=None):
           + (f", recompute {100 * args.frac:g}%" if args.recompute else ""))
     print(format_sweep(table, seconds))
     if args.png:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+        plt = pyplot(say=True)
+        if plt is None:
             return table
         fig, ax = plt.subplots(figsize=(4.5, 3.4))
         for way in table[0]["accuracy"]:

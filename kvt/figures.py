@@ -18,6 +18,20 @@ import torch
 SHADES = " ░▒▓█"  # R^2 < 0.2, < 0.4, < 0.6, < 0.8, >= 0.8 (below 0: blank)
 
 
+def pyplot(say=False):
+    """matplotlib.pyplot with a file-only backend, or None when matplotlib is not installed (an optional
+    extra: pip install kvt[plots]); say: print that the table printed instead has the numbers."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if say:
+            print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+        return None
+    return plt
+
+
 def shade(r2):
     """The shade of one R^2 value on a fixed [0, 1] scale, so maps of different pairs compare."""
     return SHADES[min(len(SHADES) - 1, max(0, int(r2 * len(SHADES))))]
@@ -57,11 +71,8 @@ def heatmap(r2, src_layers=None, selected=None, values=False, title=None):
 
 def save_png(r2, path, src_layers=None, selected=None, title=""):
     """The map as a PNG (matplotlib). Returns False, writing nothing, when matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     r2 = torch.as_tensor(r2, dtype=torch.float64)
     Ls, Lt = r2.shape
@@ -88,11 +99,8 @@ def retention_png(summary, primary, path, title=""):
     """A run's accuracy per task (its primary metric, primary[task]) under each condition, with 95%
     intervals, as a PNG: summary is summary.summarize()'s output. Returns False, writing nothing, when
     matplotlib is not installed (pip install kvt[plots]); report.md has the same numbers as a table."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     conds = ["target", "transfer", "source", "floor"]
     tasks = [t for t in summary if any(c in summary[t] for c in conds)]
@@ -139,12 +147,8 @@ def scaling_figure(paths, png=None):
         print(f"{direction:<28} {side:<15} {rates[direction, side] / 1e9:12.1f}   {times}")
     if not png:
         return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+    plt = pyplot(say=True)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for (direction, side), points in sorted(series.items()):
@@ -209,12 +213,8 @@ def gate_figure(paths, png=None):
     print(f"gate fitted on all runs (retention >= 90% is 'fit'): --min-attn-cos {c} --max-kl {k}, right on "
           f"{agree} of {len(rows)}; fitted on all but one, right on the left-out run {loo} of {len(rows)} times")
     if png:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+        plt = pyplot(say=True)
+        if plt is None:
             return
         fig, axes = plt.subplots(1, 3, figsize=(11, 3.4), sharey=True)
         for ax, (name, label) in zip(axes, [("r2", "mean R^2"), ("attn_cos", "attention-output cosine"),
@@ -251,12 +251,8 @@ def recompute_figure(paths, png=None):
     for by, frac, avg, per in rows:
         print(f"{by:<17} {100 * frac:5.0f}% {100 * avg:7.1f}% " + " ".join(f"{100 * per[t]:13.1f}%" for t in tasks))
     if png:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed (pip install kvt[plots]), so no PNG; the table above has the numbers")
+        plt = pyplot(say=True)
+        if plt is None:
             return
         fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(3 * (len(tasks) + 1), 3.2), sharey=True)
         for ax, name in zip(axes, ["average"] + tasks):
