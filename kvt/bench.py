@@ -89,15 +89,16 @@ def hardware(device="cpu"):
             f"{torch.get_num_threads()} threads, torch {torch.__version__}")
 
 
-def random_mapper(src_cfg, tgt_cfg, scope="layer", k=8, dtype=torch.float32, device="cpu", seed=0):
-    """A Mapper of the right shapes with random weights: for timing only."""
+def random_mapper(src_cfg, tgt_cfg, scope="layer", k=8, dtype=torch.float32, device="cpu", seed=0, bias=0.0):
+    """A Mapper of the right shapes with random weights (for timing, or wherever apply is what matters);
+    bias: the std of random biases (0: zeros)."""
     k = min(k, src_cfg.n_layers)
     G, Bx, By = groups(src_cfg, tgt_cfg, scope)
     g = torch.Generator().manual_seed(seed)
     layers = torch.stack([torch.randperm(src_cfg.n_layers, generator=g)[:k].sort().values
                           for _ in range(tgt_cfg.n_layers)])                          # (Lt, k)
     W = torch.randn(tgt_cfg.n_layers, G, k * Bx, By, generator=g) / (k * Bx) ** 0.5  # (Lt, G, k*Bx, By)
-    b = torch.zeros(tgt_cfg.n_layers, G, By)
+    b = bias * torch.randn(tgt_cfg.n_layers, G, By, generator=g)
     m = Mapper(scope, src_cfg, tgt_cfg, {kind: layers for kind in KINDS}, {kind: W for kind in KINDS},
                {kind: b for kind in KINDS})
     return m.to(device=device, dtype=dtype)

@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvt
-from kvt import handoff, mapper, ridge, rope, scoring, stats, summary
+from kvt import bench, handoff, ridge, rope, scoring, stats, summary
 from kvt.config import Config, KvtError
 
 KVT = Path(__file__).resolve().parent   # the package, copied into every assignment
@@ -263,17 +263,6 @@ def case_select_layers():
     return {"k2": ridge.select_layers(r2, [0, 2, 4, 6, 8], 2), "k9": ridge.select_layers(r2, [0, 2, 4, 6, 8], 9)}
 
 
-def random_mapper(src, tgt, scope, k, seed):
-    """A Mapper with random weights: apply does not care how they were fitted."""
-    G, bx, by = stats.groups(src, tgt, scope)
-    g, Lt = torch.Generator().manual_seed(seed), tgt.n_layers
-    layers = {kind: torch.stack([torch.randperm(src.n_layers, generator=g)[:k].sort().values for _ in range(Lt)])
-              for kind in stats.KINDS}                                              # (Lt, k)
-    W = {kind: torch.randn(Lt, G, k * bx, by, generator=g) / (k * bx) ** 0.5 for kind in stats.KINDS}
-    b = {kind: 0.1 * torch.randn(Lt, G, by, generator=g) for kind in stats.KINDS}
-    return mapper.Mapper(scope, src, tgt, layers, W, b)
-
-
 def cache_numbers(cache, prefix=""):
     return {prefix + "keys": torch.stack(cache.keys), prefix + "values": torch.stack(cache.values),
             prefix + "positions": cache.positions, prefix + "mask": cache.mask}
@@ -287,8 +276,8 @@ def case_mapper_apply():
     mask = torch.ones(2, 7, dtype=torch.bool)
     mask[1, :2] = False                                              # row 1 is left-padded
     _, cache = source(ids, mask=mask)
-    layer = random_mapper(source.config, target_cfg, "layer", 2, seed=6)
-    head = random_mapper(source.config, target_cfg, "head", 1, seed=7)
+    layer = bench.random_mapper(source.config, target_cfg, "layer", 2, seed=6, bias=0.1)
+    head = bench.random_mapper(source.config, target_cfg, "head", 1, seed=7, bias=0.1)
     moved = layer.apply(cache, positions=cache.positions + 100, room=1)
     return {**cache_numbers(layer.apply(cache)), **cache_numbers(head.apply(cache), "head_"),
             **cache_numbers(moved, "moved_"), "room": num(moved.room)}
@@ -297,7 +286,7 @@ def case_mapper_apply():
 @case("handoff.handoff")
 def case_handoff():
     source, target = kvt.build_model(tiny(2), seed=0, std=0.2), kvt.build_model(tiny(3), seed=1, std=0.2)
-    m = random_mapper(source.config, target.config, "head", 1, 8)
+    m = bench.random_mapper(source.config, target.config, "head", 1, seed=8, bias=0.1)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(9))
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[0, :3] = False
