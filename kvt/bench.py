@@ -9,10 +9,13 @@ For each context length n and each direction (source -> target):
   transfer         mapper.apply on the source's cache of n - 1 tokens, then the target runs the last
                    prompt token itself (the handoff of handoff.py)
   speedup          target prefill / transfer
+  + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
+                   mapped slots itself (handoff.Recompute; timed on the last f of the slots, since
+                   the cost depends on their number, not on which ones attention would choose)
 Each is warmed up, synchronized before every clock read, and the median of `repeats` runs. Timing
 needs no trained weights, so models and mappers may be random, built from named shapes alone:
 
-    python -m kvt.bench --pair qwen3-0.6b:1.7b --lengths 512,1024,2048,4096 [--scope head] [--device cuda --dtype bfloat16]
+    python -m kvt.bench --pair qwen3-0.6b:1.7b --lengths 512,1024,2048,4096 [--scope head] [--recompute 0.05,0.25] [--device cuda --dtype bfloat16]
 
 A pair whose two models do not fit in memory together runs with --lean (bench_lean): the models are
 built in turn and only their caches are kept between them.
@@ -28,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from kvt.config import parse_pair, shape
-from kvt.handoff import take_over
+from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper
 from kvt.model import Transformer, build_model, layer_devices
 from kvt.stats import KINDS, groups
@@ -152,26 +155,31 @@ def prefills(model, ids, lengths, repeats, name=""):
     return times, model(ids[:, :-1], last=True)[1]
 
 
-def transfer_step(target, mapper, cache, ids, n):
+def transfer_step(target, mapper, cache, ids, n, frac=0.0):
     """The timed part of a handoff of ids[:, :n]: handoff.take_over on the source's cache of the first
-    n - 1 tokens (a crop of `cache`), the target running token n itself. Returns its logits and cache."""
-    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n])
+    n - 1 tokens (a crop of `cache`), the target recomputing the last `frac` of those slots (if any) and
+    running token n itself. Returns its logits and cache."""
+    slots = Recompute(frac=frac, by="suffix").slots(n - 1) if frac else None
+    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], slots=slots,
+                     slot_ids=None if slots is None else ids[:, slots])
 
 
 @torch.no_grad()
-def transfers(target, mapper, cache, ids, lengths, repeats, name=""):
+def transfers(target, mapper, cache, ids, lengths, repeats, name="", frac=0.0):
     """{n: median seconds of transfer_step at n}, the mapper placed where the target keeps each layer."""
     device, times = next(target.parameters()).device, {}
     mapper = mapper if mapper.placed else mapper.place(layer_devices(target))
-    for n in tqdm(lengths, desc=f"transfer -> {name}", unit="length"):
-        times[n] = median_time(lambda: transfer_step(target, mapper, cache, ids, n), device, repeats)
+    desc = f"transfer -> {name}" + (f" + {frac:g} recompute" if frac else "")
+    for n in tqdm(lengths, desc=desc, unit="length"):
+        times[n] = median_time(lambda: transfer_step(target, mapper, cache, ids, n, frac), device, repeats)
     return times
 
 
-def rows(prefill, transfer, mappers, device):
-    """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}}.
+def rows(prefill, transfer, mappers, device, recompute=None):
+    """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}},
+    recompute {(src, tgt): {frac: {n: s}}} (transfer plus recomputing frac of the slots).
     flop_limit: the speedup if both sides ran at the same FLOP rate (prefill_flops / transfer_flops)."""
-    out = []
+    out, recompute = [], recompute or {}
     for n in next(iter(prefill.values())):
         for (src, tgt), t in transfer.items():
             m = mappers[src, tgt]
@@ -183,17 +191,20 @@ def rows(prefill, transfer, mappers, device):
                         "transfer_range": [t[n].min, t[n].max],
                         "flop_limit": flops[0] / flops[1], "of_limit": speedup * flops[1] / flops[0],
                         "prefill_flops": flops[0], "transfer_flops": flops[1], "mapper_mb": m.nbytes() / 2**20,
-                        "peak_gb": peak_memory_gb(device)})
+                        "peak_gb": peak_memory_gb(device),
+                        "recompute_s": {str(f): ts[n] for f, ts in recompute.get((src, tgt), {}).items()}})
     return out
 
 
-def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, names=("small", "large")):
-    """Rows of timings (seconds) for small -> large with mapper `fwd`, and large -> small with `back`."""
+def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, names=("small", "large"),
+          fracs=()):
+    """Rows of timings (seconds) for small -> large with mapper `fwd`, and large -> small with `back`;
+    fracs: recompute budgets to time as well."""
     models = dict(zip(names, (small, large)))
-    return bench_lean(models.get, names, fwd, back, lengths, repeats)
+    return bench_lean(models.get, names, fwd, back, lengths, repeats, fracs)
 
 
-def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3):
+def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, fracs=()):
     """bench() for a pair too large to hold together: build(name) makes each model in turn (small, large,
     then small again for `back`) and only one cache of each is kept, so memory peaks at the larger model
     plus the two caches. The same rows, timed in the same order in one process. The contexts are drawn
@@ -201,28 +212,35 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     small = build(names[0])
     device = next(small.parameters()).device
     ids = token_ids(lengths, small.config.vocab_size, device)
-    prefill, transfer, mappers = {}, {}, {(names[0], names[1]): fwd}
+    prefill, transfer, recompute, mappers = {}, {}, {}, {(names[0], names[1]): fwd}
     prefill[names[0]], c_small = prefills(small, ids, lengths, repeats, names[0])
     del small
+
+    def both(target, mapper, cache, src, tgt):  # the transfer, then each recompute budget
+        transfer[src, tgt] = transfers(target, mapper, cache, ids, lengths, repeats, tgt)
+        recompute[src, tgt] = {f: transfers(target, mapper, cache, ids, lengths, repeats, tgt, f) for f in fracs}
+
     large = build(names[1])
     prefill[names[1]], c_large = prefills(large, ids, lengths, repeats, names[1])
-    transfer[names[0], names[1]] = transfers(large, fwd, c_small, ids, lengths, repeats, names[1])
+    both(large, fwd, c_small, *names)
     del large, c_small
     if back is not None:
         mappers[names[1], names[0]] = back
-        transfer[names[1], names[0]] = transfers(build(names[0]), back, c_large, ids, lengths, repeats, names[0])
-    return rows(prefill, transfer, mappers, device)
+        both(build(names[0]), back, c_large, names[1], names[0])
+    return rows(prefill, transfer, mappers, device, recompute)
 
 
 def format_rows(rows):
     """A markdown table of bench rows."""
+    fracs = list(rows[0].get("recompute_s", {})) if rows else []
     out = ["| direction | tokens | source prefill s | target prefill s (min-max) | transfer s (min-max) | speedup "
-           "| FLOP limit | reached | mapper MB |", "|---|---|---|---|---|---|---|---|---|"]
+           "| FLOP limit | reached | mapper MB |" + "".join(f" + {float(f):.0%} recompute s |" for f in fracs),
+           "|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
     span = lambda r, k: f"{r[k + '_s']:.3f} ({r[k + '_range'][0]:.3f}-{r[k + '_range'][1]:.3f})"  # noqa: E731
     for r in rows:
         out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {span(r, 'target_prefill')} "
                    f"| {span(r, 'transfer')} | {r['speedup']:.1f}x | {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
-                   f"| {r['mapper_mb']:.1f} |")
+                   f"| {r['mapper_mb']:.1f} |" + "".join(f" {r['recompute_s'][f]:.3f} |" for f in fracs))
     return "\n".join(out)
 
 
@@ -237,8 +255,10 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="default: bfloat16 on a GPU or a CPU with bf16 units (bench.bf16_units), else float32")
     ap.add_argument("--lean", action="store_true", help="hold one model at a time (a pair too large for memory)")
+    ap.add_argument("--recompute", default="", help="also time transfer + recomputing these fractions, e.g. 0.05,0.25")
     ap.add_argument("--json", type=Path, help="also write the rows, settings and processor here (kvt figures scaling)")
     args = ap.parse_args(argv)
+    fracs = [float(f) for f in args.recompute.split(",") if f.strip()]
     names = parse_pair(args.pair)
     args.dtype = args.dtype or default_dtype(args.device)
     dtype, lengths = getattr(torch, args.dtype), [int(n) for n in args.lengths.split(",")]
@@ -246,9 +266,9 @@ def main(argv=None):
     fwd = random_mapper(shape(names[0]), shape(names[1]), args.scope, args.k, dtype, args.device)
     back = random_mapper(shape(names[1]), shape(names[0]), args.scope, args.k, dtype, args.device, seed=1)
     if args.lean:
-        table = bench_lean(build, names, fwd, back, lengths, args.repeats)
+        table = bench_lean(build, names, fwd, back, lengths, args.repeats, fracs)
     else:
-        table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names)
+        table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names, fracs)
     print(f"{args.pair}, {args.scope} scope, k={args.k}, {args.dtype} on {hardware(args.device)}; median of "
           f"{args.repeats} after a warm-up{', one model at a time' if args.lean else ''}; "
           f"peak memory {max(r['peak_gb'] for r in table):.1f} GiB")

@@ -21,7 +21,7 @@ prefill costs too little to be worth timing): the small model's prefill for ever
 escalated one, the large model's prefill, the transfer (mapper and the large model's last token), or the
 transfer plus the recomputed fraction of a prefill. Costs are in units of the large model's prefill of
 the same prompt. --bench adds seconds to the first token of an escalated answer, from a `kvt bench
---json` file measured at --tokens (recompute: its fraction of the measured large prefill, on top).
+--json` file measured at --tokens (for recompute, one taken with `kvt bench --recompute FRAC`).
 """
 import argparse
 import json
@@ -127,15 +127,22 @@ def format_sweep(table, seconds=None):
     return "\n".join(lines)
 
 
-def bench_seconds(path, direction, tokens, frac):
+def bench_seconds(path, direction, tokens, frac=None):
     """Seconds to an escalated answer's first token, from a kvt bench --json file's row of `direction`
-    ("small -> large") at `tokens`."""
+    ("small -> large") at `tokens`: the small model's prefill, then the large model's prefill, the
+    transfer, and (frac given) the transfer with that fraction recomputed, as kvt bench --recompute timed it."""
     rows = [r for r in json.loads(Path(path).read_text())["rows"] if (r["direction"], r["tokens"]) == (direction, tokens)]
     if not rows:
         raise KvtError(f"{path} has no {direction} row at {tokens} tokens; run kvt bench --lengths {tokens} --json {path}")
     r = rows[0]
-    small, large, tr = r["source_prefill_s"], r["target_prefill_s"], r["transfer_s"]
-    return {"prefill": small + large, "transfer": small + tr, "recompute": small + tr + frac * large}
+    small = r["source_prefill_s"]
+    out = {"prefill": small + r["target_prefill_s"], "transfer": small + r["transfer_s"]}
+    if frac is not None:
+        if str(frac) not in r.get("recompute_s", {}):
+            raise KvtError(f"{path} has no transfer + {frac:g} recompute timing; run kvt bench --recompute {frac:g} "
+                           f"--lengths {tokens} --json {path}")
+        out["recompute"] = small + r["recompute_s"][str(frac)]
+    return out
 
 
 def main(argv=None):
@@ -156,7 +163,8 @@ def main(argv=None):
         names = parse_pair(args.shapes)
         small, large = (shape(n) for n in names)
         base, escalate = costs(small, large, args.tokens, args.scope, args.k, args.frac)
-        seconds = bench_seconds(args.bench, " -> ".join(names), args.tokens, args.frac) if args.bench else None
+        seconds = (bench_seconds(args.bench, " -> ".join(names), args.tokens, args.frac if args.recompute else None)
+                   if args.bench else None)
     except KvtError as e:
         sys.exit(f"kvt: {e}")
     table = sweep(rows, base, escalate)

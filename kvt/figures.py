@@ -177,11 +177,28 @@ def correlations(xs, ys):
     return pearson(x, y), pearson(rank(x), rank(y))
 
 
+def one_per_map(results):
+    """The runs a gate is judged on: none with a recompute budget (the gate judges the map, not its
+    repair), and one per mapper (results' "mapper", which names its weights and calibration), the one
+    that scored the most items, so a map evaluated twice is not counted twice."""
+    best = {}
+    for r in results:
+        s = r["settings"]
+        if s.get("recompute_last") or s.get("recompute_first") or s.get("recompute_frac"):
+            continue
+        key, n = r.get("mapper", id(r)), sum(len(v) for v in r.get("items", {}).values())
+        if key not in best or n > best[key][0]:
+            best[key] = (n, r)
+    return [r for _, r in best.values()]
+
+
 def gate_evidence(results, good_at=0.9):
     """From run.py results (dicts of results.json), how well each diagnostic predicts average retention,
     and how often a gate fitted on the other pairs calls a left-out pair right (retention >= good_at).
-    Returns (rows, correlations {diagnostic: (r, rho)}, thresholds fitted on all, leave-one-out agreements)."""
+    Only one_per_map(results) count. Returns (rows, correlations {diagnostic: (r, rho)}, thresholds fitted
+    on all, leave-one-out agreements)."""
     from kvt.handoff import fit_gate, gate
+    results = one_per_map(results)
     rows = [{"pair": r.get("run", "") + " -> ".join(r["pair"]) + f" ({r['settings']['scope']}, {r['settings']['mapper']})",
              "r2": (r["diagnostics"]["r2_k_mean"] + r["diagnostics"]["r2_v_mean"]) / 2,
              "attn_cos": r["diagnostics"]["attn_cos_mean"], "kl": r["diagnostics"]["kl"],

@@ -467,7 +467,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     rows = []
     if args.bench:
         back = random_mapper(tgt_cfg, src_cfg, args.scope, args.k, dtype, args.device)  # timing needs no fit
-        rows = bench(source, target, mapper, back, lengths, names=(src_name, tgt_name))
+        rows = bench(source, target, mapper, back, lengths, names=(src_name, tgt_name),
+                     fracs=[recompute.frac] if recompute.frac else [])
 
     # 6. report
     table = format_summary(summary, average, src_name, tgt_name)

@@ -6,7 +6,7 @@ import torch
 import kvt
 from kvt import bench as B
 from kvt.bench import bench, bench_lean, random_mapper, token_ids, transfer_step
-from kvt.handoff import handoff
+from kvt.handoff import Recompute, handoff
 from tests.conftest import tiny_config
 
 SMALL, LARGE = tiny_config(n_layers=2), tiny_config(n_layers=3, dim=96)
@@ -24,6 +24,22 @@ def test_the_timed_transfer_is_a_handoff():
     want_logits, want = handoff(small, large, fwd, ids[:, :12])
     assert torch.allclose(logits, want_logits, atol=1e-5) and len(got) == len(want) == 12
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.keys + got.values, want.keys + want.values))
+
+
+def test_the_timed_recompute_is_a_handoff_with_that_budget():
+    """transfer_step with frac recomputes the last frac of the mapped slots, as handoff does with
+    Recompute(frac=frac, by="suffix"); and the rows carry its time for each budget. Guards: timing a
+    transfer that skips the recompute (it would be the plain transfer's logits), or dropping the column."""
+    small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
+    fwd = random_mapper(SMALL, LARGE, k=2)
+    ids = token_ids([12, 24], SMALL.vocab_size, "cpu")
+    _, cache = small(ids[:, :-1])
+    logits, _ = transfer_step(large, fwd, cache, ids, 12, frac=0.25)
+    want, _ = handoff(small, large, fwd, ids[:, :12], recompute=Recompute(frac=0.25, by="suffix"))
+    plain, _ = transfer_step(large, fwd, cache, ids, 12)
+    assert torch.allclose(logits, want, atol=1e-5) and not torch.allclose(logits, plain, atol=1e-3)
+    rows = bench(small, large, fwd, None, [16], repeats=1, names=("s", "l"), fracs=[0.25])
+    assert set(rows[0]["recompute_s"]) == {"0.25"} and rows[0]["recompute_s"]["0.25"] > 0
 
 
 def test_median_time_drops_the_warm_up_and_takes_the_median(monkeypatch):

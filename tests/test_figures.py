@@ -39,6 +39,18 @@ def test_gate_evidence_correlations_and_leave_one_out():
     assert correlations([1, 2, 3], [3, 2, 1]) == pytest.approx((-1.0, -1.0))
 
 
+def test_gate_evidence_counts_each_map_once_and_no_repair():
+    """A map evaluated twice (the same mapper on fewer items) counts once, with its larger run, and runs
+    with a recompute budget do not count at all. Guards: recompute runs or repeats of one map inflating
+    the evidence (they carry the same diagnostics with other retentions)."""
+    runs = [dict(result(0.99, 0.001, 1.0), mapper="a", items={"copy": [1, 2]}),
+            dict(result(0.99, 0.001, 0.5), mapper="a", items={"copy": [1]}),
+            dict(result(0.98, 0.1, 0.95, 0.25), mapper="b", items={"copy": [1, 2, 3]}), dict(result(0.98, 0.1, 0.85), mapper="b"),
+            dict(result(0.90, 0.3, 0.6), mapper="c")]
+    rows, *_ = gate_evidence(runs)
+    assert sorted(r["retention"] for r in rows) == [0.6, 0.85, 1.0]
+
+
 def test_recompute_rows_start_both_curves_at_budget_zero():
     """A run without recompute is the 0% point of both strategies; the others sort by budget within
     their strategy. Guards: runs of another strategy mixed into a curve (recompute_by ignored) and the
