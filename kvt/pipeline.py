@@ -47,7 +47,7 @@ from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.config import KvtError, check_matched_kv, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
-from kvt.handoff import Recompute, diagnose, format_diagnostics, gate
+from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
@@ -104,8 +104,9 @@ def parse_args(argv=None):
                     "tokens, those the source attended to most while finishing the prompt")
     ap.add_argument("--recompute-by", choices=["attention", "suffix"], default="attention",
                     help="which tokens --recompute-frac takes: the most attended (default) or the last ones")
-    ap.add_argument("--min-attn-cos", type=float, default=0.9, help="gate: mean attention-output cosine")
-    ap.add_argument("--max-kl", type=float, default=0.5, help="gate: next-token KL in nats")
+    ap.add_argument("--min-attn-cos", type=float, default=MIN_ATTN_COS, help="gate: mean attention-output cosine "
+                    f"(default {MIN_ATTN_COS}, from the README's gate evidence)")
+    ap.add_argument("--max-kl", type=float, default=MAX_KL, help=f"gate: next-token KL in nats (default {MAX_KL})")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--devices", help="split both models by layers over these, e.g. cuda:0,cuda:1 (under "
                     "torchrun: shared out among the ranks of a node)")
