@@ -181,10 +181,11 @@ def one_per_map(results):
     """The runs a gate is judged on: none with a recompute budget (the gate judges the map, not its
     repair), and one per mapper (results' "mapper", which names its weights and calibration), the one
     that scored the most items, so a map evaluated twice is not counted twice."""
+    from kvt.handoff import Recompute
     best = {}
     for r in results:
         s = r["settings"]
-        if s.get("recompute_last") or s.get("recompute_first") or s.get("recompute_frac"):
+        if Recompute(s.get("recompute_last", 0), s.get("recompute_first", 0), s.get("recompute_frac", 0.0)):
             continue
         key, n = r.get("mapper", id(r)), sum(len(v) for v in r.get("items", {}).values())
         if key not in best or n > best[key][0]:
