@@ -165,21 +165,30 @@ def transfer_step(target, mapper, cache, ids, n, frac=0.0):
 
 
 @torch.no_grad()
-def transfers(target, mapper, cache, ids, lengths, repeats, name="", frac=0.0):
-    """{n: median seconds of transfer_step at n}, the mapper placed where the target keeps each layer."""
+def transfers(target, mapper, cache, ids, lengths, repeats, name="", frac=0.0, step=transfer_step):
+    """{n: median seconds of step (transfer_step, or map_step) at n}, the mapper placed where the target
+    keeps each layer."""
     device, times = next(target.parameters()).device, {}
     mapper = mapper if mapper.placed else mapper.place(layer_devices(target))
-    desc = f"transfer -> {name}" + (f" + {frac:g} recompute" if frac else "")
+    desc = f"{step.__name__.split('_')[0]} -> {name}" + (f" + {frac:g} recompute" if frac else "")
     for n in tqdm(lengths, desc=desc, unit="length"):
-        times[n] = median_time(lambda: transfer_step(target, mapper, cache, ids, n, frac), device, repeats)
+        times[n] = median_time(lambda: step(target, mapper, cache, ids, n, frac), device, repeats)
     return times
 
 
-def rows(prefill, transfer, mappers, device, recompute=None):
+def map_step(target, mapper, cache, ids, n, frac=0.0):
+    """The first part of transfer_step alone: mapper.apply, as take_over calls it. What is left of the
+    transfer is the target's last-token step, bound by reading its weights, not by FLOPs."""
+    return mapper.apply(cache.crop(0, n - 1), devices=layer_devices(target), dtype=next(target.parameters()).dtype,
+                        room=1)
+
+
+def rows(prefill, transfer, mappers, device, recompute=None, mapping=None):
     """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}},
-    recompute {(src, tgt): {frac: {n: s}}} (transfer plus recomputing frac of the slots).
+    recompute {(src, tgt): {frac: {n: s}}} (transfer plus recomputing frac of the slots), mapping
+    {(src, tgt): {n: s}} (mapper.apply alone, the part of the transfer before the target's last step).
     flop_limit: the speedup if both sides ran at the same FLOP rate (prefill_flops / transfer_flops)."""
-    out, recompute = [], recompute or {}
+    out, recompute, mapping = [], recompute or {}, mapping or {}
     for n in next(iter(prefill.values())):
         for (src, tgt), t in transfer.items():
             m = mappers[src, tgt]
@@ -188,7 +197,7 @@ def rows(prefill, transfer, mappers, device, recompute=None):
             out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
                         "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": speedup,
                         "target_prefill_range": [prefill[tgt][n].min, prefill[tgt][n].max],
-                        "transfer_range": [t[n].min, t[n].max],
+                        "transfer_range": [t[n].min, t[n].max], "map_s": mapping.get((src, tgt), {}).get(n),
                         "flop_limit": flops[0] / flops[1], "of_limit": speedup * flops[1] / flops[0],
                         "prefill_flops": flops[0], "transfer_flops": flops[1], "mapper_mb": m.nbytes() / 2**20,
                         "peak_gb": peak_memory_gb(device),
@@ -212,12 +221,13 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     small = build(names[0])
     device = next(small.parameters()).device
     ids = token_ids(lengths, small.config.vocab_size, device)
-    prefill, transfer, recompute, mappers = {}, {}, {}, {(names[0], names[1]): fwd}
+    prefill, transfer, recompute, mapping, mappers = {}, {}, {}, {}, {(names[0], names[1]): fwd}
     prefill[names[0]], c_small = prefills(small, ids, lengths, repeats, names[0])
     del small
 
-    def both(target, mapper, cache, src, tgt):  # the transfer, then each recompute budget
+    def both(target, mapper, cache, src, tgt):  # the transfer, its mapping alone, then each recompute budget
         transfer[src, tgt] = transfers(target, mapper, cache, ids, lengths, repeats, tgt)
+        mapping[src, tgt] = transfers(target, mapper, cache, ids, lengths, repeats, tgt, step=map_step)
         recompute[src, tgt] = {f: transfers(target, mapper, cache, ids, lengths, repeats, tgt, f) for f in fracs}
 
     large = build(names[1])
@@ -227,19 +237,20 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     if back is not None:
         mappers[names[1], names[0]] = back
         both(build(names[0]), back, c_large, names[1], names[0])
-    return rows(prefill, transfer, mappers, device, recompute)
+    return rows(prefill, transfer, mappers, device, recompute, mapping)
 
 
 def format_rows(rows):
     """A markdown table of bench rows."""
     fracs = list(rows[0].get("recompute_s", {})) if rows else []
     out = ["| direction | tokens | source prefill s | target prefill s (min-max) | transfer s (min-max) | speedup "
-           "| FLOP limit | reached | mapper MB |" + "".join(f" + {float(f):.0%} recompute s |" for f in fracs),
-           "|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
+           "| of which map s | FLOP limit | reached | mapper MB |" + "".join(f" + {float(f):.0%} recompute s |" for f in fracs),
+           "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
     span = lambda r, k: f"{r[k + '_s']:.3f} ({r[k + '_range'][0]:.3f}-{r[k + '_range'][1]:.3f})"  # noqa: E731
     for r in rows:
         out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {span(r, 'target_prefill')} "
-                   f"| {span(r, 'transfer')} | {r['speedup']:.1f}x | {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
+                   f"| {span(r, 'transfer')} | {r['speedup']:.1f}x | {r.get('map_s') or float('nan'):.3f} "
+                   f"| {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
                    f"| {r['mapper_mb']:.1f} |" + "".join(f" {r['recompute_s'][f]:.3f} |" for f in fracs))
     return "\n".join(out)
 

@@ -26,6 +26,20 @@ def test_the_timed_transfer_is_a_handoff():
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.keys + got.values, want.keys + want.values))
 
 
+def test_the_timed_mapping_is_the_transfer_before_its_last_step():
+    """map_step gives the first n - 1 slots of transfer_step's cache, and every row carries its time.
+    Guards: timing the mapping of a cache of another length, or a table without the column."""
+    small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
+    fwd = random_mapper(SMALL, LARGE, k=2)
+    ids = token_ids([12, 24], SMALL.vocab_size, "cpu")
+    _, cache = small(ids[:, :-1])
+    mapped = B.map_step(large, fwd, cache, ids, 12)
+    _, full = transfer_step(large, fwd, cache, ids, 12)
+    assert len(mapped) == 11 and all(torch.equal(a, b[:, :, :11]) for a, b in zip(mapped.keys, full.keys))
+    rows = bench(small, large, fwd, random_mapper(LARGE, SMALL, k=2), [16], repeats=1, names=("s", "l"))
+    assert all(r["map_s"] > 0 for r in rows)
+
+
 def test_the_timed_recompute_is_a_handoff_with_that_budget():
     """transfer_step with frac recomputes the last frac of the mapped slots, as handoff does with
     Recompute(frac=frac, by="suffix"); and the rows carry its time for each budget. Guards: timing a
