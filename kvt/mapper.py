@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 import kvt
 from kvt import dist, ridge, rope
@@ -282,7 +283,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     return mapper, report
 
 
-def sample_features(source, target, ids, max_bytes=2 * 2**30, scope="head", seed=0):
+def sample_features(source, target, ids, max_bytes=2 * 2**30, scope="head", seed=0, progress=False):
     """Position-free K and V of a seeded random sample of the tokens of ids, within max_bytes (float32).
 
     Returns {kind: (x (G, N, Ls, Bx), y (G, N, Lt, By))} of source and target: the stored features the
@@ -293,7 +294,7 @@ def sample_features(source, target, ids, max_bytes=2 * 2**30, scope="head", seed
     g = torch.Generator().manual_seed(seed)
     device, tgt_device = next(source.parameters()).device, next(target.parameters()).device
     parts = {kind: ([], []) for kind in KINDS}
-    for seq in ids:
+    for seq in tqdm(ids, desc="MLP training features", unit="seq", disable=not progress):
         pick = torch.randperm(ids.shape[1], generator=g)[:per_seq].to(device)  # tokens kept from this sequence
         src, tgt = capture(source, seq[None].to(device)), capture(target, seq[None].to(tgt_device))
         for i, kind in enumerate(KINDS):  # layers of a model split across devices come to `device`
@@ -317,8 +318,8 @@ def add_mlp(mapper, source, target, calib, mode="replace", hidden=None, max_byte
     if mode not in MLP_MODES:
         raise KvtError(f"MLP mode {mode!r} is not known; use one of {', '.join(MLP_MODES)}")
     hidden = MLP_MODES[mode] if hidden is None else hidden
-    fit = sample_features(source, target, calib.fit, max_bytes, mapper.scope)
-    val = sample_features(source, target, calib.val, max_bytes // 10 + 1, mapper.scope)
+    fit = sample_features(source, target, calib.fit, max_bytes, mapper.scope, progress=progress)
+    val = sample_features(source, target, calib.val, max_bytes // 10 + 1, mapper.scope, progress=progress)
     out = mapper.to()
     out.mlp_mode, out.mlp = mode, {}
     for kind in KINDS:
