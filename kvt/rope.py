@@ -94,17 +94,17 @@ def rotate(x, cos, sin, out=None):
 
         out[:D/2] = x1 * cos - x2 * sin        out[D/2:] = x2 * cos + x1 * sin
 
-    in four half-size passes with no concatenated or negated copy of x. out: where to write (a cache
-    buffer, say; any strides, any float dtype); default a new tensor."""
+    in three passes (x * cos over the whole width, then one multiply-add per half) with no concatenated
+    or negated copy of x. out: where to write (a cache buffer, say; any strides, any float dtype, not x
+    itself); default a new tensor."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[..., :half], sin[..., :half]                            # cos_sin repeats each angle for both halves
     if out is None and x.requires_grad:                                # training: autograd cannot follow out=
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    out = torch.empty_like(x) if out is None else out
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1)
-    torch.mul(x2, c, out=o2).addcmul_(x1, s)
+    out = torch.mul(x, cos, out=torch.empty_like(x) if out is None else out)
+    out[..., :half].addcmul_(x2, s, value=-1)
+    out[..., half:].addcmul_(x1, s)
     return out
 
 
