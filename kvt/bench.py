@@ -12,7 +12,8 @@ For each context length n and each direction (source -> target):
   + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
                    mapped slots itself (handoff.Recompute; timed on the last f of the slots, since
                    the cost depends on their number, not on which ones attention would choose)
-Each is warmed up, synchronized before every clock read, and the median of `repeats` runs. Timing
+Each is warmed up, synchronized before every clock read, and the median of `repeats` runs; at each
+length a direction's target prefill and transfer are timed in turn, so host drift moves both alike. Timing
 needs no trained weights, so models and mappers may be random, built from named shapes alone:
 
     python -m kvt.bench --pair qwen3-0.6b:1.7b --lengths 512,1024,2048,4096 [--scope head] [--recompute 0.05,0.25] [--device cuda --dtype bfloat16]
@@ -122,15 +123,23 @@ class Timing(float):
 
 def median_time(fn, device, repeats):
     """Median wall time of fn() over `repeats` runs, after one warm-up run (a Timing: .min, .max too)."""
-    times = []
+    return median_times([fn], device, repeats)[0]
+
+
+def median_times(fns, device, repeats):
+    """median_time of several fns taken in turn: a warm-up round, then `repeats` rounds that run each fn
+    once. A shared host whose speed drifts during a run then moves them all alike, so their ratios hold
+    where their absolute times do not."""
+    times = [[] for _ in fns]
     for i in range(repeats + 1):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        if i:  # run 0 warms up caches, allocator and kernels
-            times.append(time.perf_counter() - start)
-    return Timing(times)
+        for fn, ts in zip(fns, times):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            if i:  # round 0 warms up caches, allocator and kernels
+                ts.append(time.perf_counter() - start)
+    return [Timing(ts) for ts in times]
 
 
 def peak_memory_gb(device):
@@ -164,19 +173,7 @@ def transfer_step(target, mapper, cache, ids, n, frac=0.0):
                      slot_ids=None if slots is None else ids[:, slots])
 
 
-@torch.no_grad()
-def transfers(target, mapper, cache, ids, lengths, repeats, name="", frac=0.0, step=transfer_step):
-    """{n: median seconds of step (transfer_step, or map_step) at n}, the mapper placed where the target
-    keeps each layer."""
-    device, times = next(target.parameters()).device, {}
-    mapper = mapper if mapper.placed else mapper.place(layer_devices(target))
-    desc = f"{step.__name__.split('_')[0]} -> {name}" + (f" + {frac:g} recompute" if frac else "")
-    for n in tqdm(lengths, desc=desc, unit="length"):
-        times[n] = median_time(lambda: step(target, mapper, cache, ids, n, frac), device, repeats)
-    return times
-
-
-def map_step(target, mapper, cache, ids, n, frac=0.0):
+def map_step(target, mapper, cache, ids, n):
     """The first part of transfer_step alone: mapper.apply, as take_over calls it. What is left of the
     transfer is the target's last-token step, bound by reading its weights, not by FLOPs."""
     return mapper.apply(cache.crop(0, n - 1), devices=layer_devices(target), dtype=next(target.parameters()).dtype,
@@ -213,25 +210,38 @@ def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats
     return bench_lean(models.get, names, fwd, back, lengths, repeats, fracs)
 
 
+@torch.no_grad()
 def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, fracs=()):
     """bench() for a pair too large to hold together: build(name) makes each model in turn (small, large,
     then small again for `back`) and only one cache of each is kept, so memory peaks at the larger model
     plus the two caches. The same rows, timed in the same order in one process. The contexts are drawn
-    from the small model's vocabulary (a family shares one)."""
+    from the small model's vocabulary (a family shares one). Each direction times, at each length and
+    in turn (median_times), the target's own prefill, the transfer, the mapping alone and each
+    recompute budget: the speedup divides two times taken side by side."""
     small = build(names[0])
     device = next(small.parameters()).device
     ids = token_ids(lengths, small.config.vocab_size, device)
     prefill, transfer, recompute, mapping, mappers = {}, {}, {}, {}, {(names[0], names[1]): fwd}
-    prefill[names[0]], c_small = prefills(small, ids, lengths, repeats, names[0])
+    if back is None:  # else the way back times the small model's prefill, beside its transfers
+        prefill[names[0]], c_small = prefills(small, ids, lengths, repeats, names[0])
+    else:
+        c_small = small(ids[:, :-1], last=True)[1]
     del small
 
-    def both(target, mapper, cache, src, tgt):  # the transfer, its mapping alone, then each recompute budget
-        transfer[src, tgt] = transfers(target, mapper, cache, ids, lengths, repeats, tgt)
-        mapping[src, tgt] = transfers(target, mapper, cache, ids, lengths, repeats, tgt, step=map_step)
-        recompute[src, tgt] = {f: transfers(target, mapper, cache, ids, lengths, repeats, tgt, f) for f in fracs}
+    def both(target, mapper, cache, src, tgt):
+        mapper = mapper if mapper.placed else mapper.place(layer_devices(target))
+        transfer[src, tgt], mapping[src, tgt], recompute[src, tgt] = {}, {}, {f: {} for f in fracs}
+        for n in tqdm(lengths, desc=f"{src} -> {tgt}: prefill, transfer", unit="length"):
+            fns = [lambda: target(ids[:, :n], last=True), lambda: transfer_step(target, mapper, cache, ids, n),
+                   lambda: map_step(target, mapper, cache, ids, n)]
+            fns += [lambda f=f: transfer_step(target, mapper, cache, ids, n, f) for f in fracs]
+            prefill.setdefault(tgt, {})[n], transfer[src, tgt][n], mapping[src, tgt][n], *rc = \
+                median_times(fns, device, repeats)
+            for f, t in zip(fracs, rc):
+                recompute[src, tgt][f][n] = t
 
     large = build(names[1])
-    prefill[names[1]], c_large = prefills(large, ids, lengths, repeats, names[1])
+    c_large = large(ids[:, :-1], last=True)[1]
     both(large, fwd, c_small, *names)
     del large, c_small
     if back is not None:

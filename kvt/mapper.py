@@ -307,32 +307,66 @@ MLP_MODES = {"replace": mlp_.PAPER_HIDDEN, "residual": (1024,)}  # mode -> defau
 
 
 def add_mlp(mapper, source, target, calib, mode="replace", hidden=None, max_bytes=2 * 2**30, progress=True,
-            **train_kw):
+            checkpoint=None, key="", **train_kw):
     """The MLP backstop on a fitted Mapper (its layer selection); returns a new Mapper.
 
     mode="replace" (the paper's, `--mapper mlp`): the MLP, two hidden layers of 1,024 units, replaces
     ridge. mode="residual" (kvt's option, `--mapper ridge+mlp`): one hidden layer of 1,024 units on top
     of ridge. hidden overrides the sizes. Trains one MLP per target layer and kind (mlp.train; train_kw
     go there) on a bounded sample of calib.fit's tokens, stopping early on calib.val; calib.diag stays
-    unseen for diagnostics (kvt.handoff.diagnose)."""
+    unseen for diagnostics (kvt.handoff.diagnose).
+
+    checkpoint: a path prefix; each MLP is saved as it finishes (CHECKPOINT-k3.safetensors, ...), marked
+    with `key` (what the caller made it for), and a run that finds them trains only the rest: on a real
+    pair the MLPs take hours. The sample is seeded, so a resumed run draws the same tokens."""
     if mode not in MLP_MODES:
         raise KvtError(f"MLP mode {mode!r} is not known; use one of {', '.join(MLP_MODES)}")
     hidden = MLP_MODES[mode] if hidden is None else hidden
-    fit = sample_features(source, target, calib.fit, max_bytes, mapper.scope, progress=progress)
-    val = sample_features(source, target, calib.val, max_bytes // 10 + 1, mapper.scope, progress=progress)
+    data = {}  # the sampled features, drawn when the first MLP that is not checkpointed needs them
     out = mapper.to()
     out.mlp_mode, out.mlp = mode, {}
     for kind in KINDS:
         params = []
         for l in range(mapper.tgt_cfg.n_layers):
-            p, loss = mlp_.train(*_mlp_data(mapper, kind, l, *fit[kind], mode), *_mlp_data(mapper, kind, l, *val[kind], mode),
-                                 hidden=hidden, **train_kw)
-            if progress:
-                print(f"mlp ({mode}) {kind} layer {l}: validation loss {loss:.4f} (fraction of variance left)")
+            path = checkpoint and f"{checkpoint}-{kind}{l}.safetensors"
+            p = load_mlp_checkpoint(path, key)
+            if p is None:
+                if not data:
+                    data["fit"] = sample_features(source, target, calib.fit, max_bytes, mapper.scope, progress=progress)
+                    data["val"] = sample_features(source, target, calib.val, max_bytes // 10 + 1, mapper.scope,
+                                                  progress=progress)
+                p, loss = mlp_.train(*_mlp_data(mapper, kind, l, *data["fit"][kind], mode),
+                                     *_mlp_data(mapper, kind, l, *data["val"][kind], mode), hidden=hidden, **train_kw)
+                if path and dist.rank() == 0:                             # every rank trains the same MLP
+                    save_file({name: w.contiguous() for name, w in p.items()}, f"{path}.tmp",
+                              metadata={"format": MLP_CHECKPOINT, "key": key})
+                    os.replace(f"{path}.tmp", path)
+                if progress:
+                    print(f"mlp ({mode}) {kind} layer {l}: validation loss {loss:.4f} (fraction of variance left)")
             params.append(p)
         out.mlp[kind] = {name: torch.stack([p[name] for p in params]).cpu() for name in params[0]}
     out.meta["mlp_hidden"] = list(hidden) if not isinstance(hidden, int) else [hidden]
     return out
+
+
+MLP_CHECKPOINT = "kvt-mlp-checkpoint-1"
+
+
+def load_mlp_checkpoint(path, key):
+    """One MLP that add_mlp saved as it finished ({"w0": ..., "b0": ...}), or None if there is none;
+    refuses one made for other settings, or unreadable, in one line."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            p = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise KvtError(f"MLP checkpoint {path} is unreadable ({str(e).splitlines()[0]}); delete it to train that MLP again")
+    if meta.get("format") != MLP_CHECKPOINT or meta.get("key") != key:
+        raise KvtError(f"MLP checkpoint {path} was made for another pair, mapper or settings; delete the "
+                       f"{os.path.basename(path).rsplit('-', 1)[0]}-* files to train again")
+    return p
 
 
 def _mlp_data(mapper, kind, l, xs, ys, mode):

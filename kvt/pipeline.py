@@ -228,12 +228,15 @@ def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
                                stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
                                progress=dist.rank() == 0)
     if args.mapper in MLP_MODES:
-        mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0)
+        mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0,
+                         checkpoint=out / f"mlp-{name}", key=short_hash(key))
     mapper.meta["diagnostics"] = diagnose(source, target, mapper, calib.diag)  # a region no choice has seen
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
     mapper.meta["key"] = short_hash(key)
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
         save_mapper(mapper, path)
+        for f in out.glob(f"mlp-{name}-*.safetensors"):             # the mapper file holds the MLPs now
+            f.unlink()
     return mapper.to(dtype=dtype), name
 
 

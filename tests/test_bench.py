@@ -68,6 +68,21 @@ def test_median_time_drops_the_warm_up_and_takes_the_median(monkeypatch):
     assert t == 3.0 and (t.min, t.max) == (1.0, 5.0)
 
 
+def test_median_times_takes_its_runs_in_turn(monkeypatch):
+    """The prefill and the transfer are timed in turn, so a host that slows down mid-run moves both
+    alike. Fake clock: a takes 1 s and b 2 s, times a factor that grows by 1 with every call. In turn
+    their medians are 5 and 12; one after the other they would be 3 and 14. Guards: timing every run of
+    one before the other (the ratio would move with the host, 4.7 instead of 2.4)."""
+    clock, calls = [0.0], []
+
+    def run(name, base):
+        calls.append(name)
+        clock[0] += base * len(calls)
+    monkeypatch.setattr(B.time, "perf_counter", lambda: clock[0])
+    a, b = B.median_times([lambda: run("a", 1.0), lambda: run("b", 2.0)], "cpu", repeats=3)
+    assert calls == ["a", "b"] * 4 and (a, b) == (5.0, 12.0)
+
+
 def test_bench_and_bench_lean_time_the_same_things():
     """Guards: bench_lean building more than one model at a time, or timing a model's prefill twice."""
     fwd, back = random_mapper(SMALL, LARGE, k=2), random_mapper(LARGE, SMALL, k=2, seed=1)

@@ -164,6 +164,42 @@ def test_mlp_backstop_on_a_mapper(tmp_path):
         assert_same_cache(back.apply(cache), m.apply(cache), "MLP mapper after save/load", atol=1e-6)
 
 
+def test_mlp_training_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """add_mlp saves each MLP as it finishes; a run stopped after three of four trains only the last
+    one on resume and ends with the same mapper as an uninterrupted run; a checkpoint made for other
+    settings is refused in one line. Guards: retraining finished MLPs (hours on a real pair), a resumed
+    run drawing another sample, and silently reusing another mapper's MLPs."""
+    import kvt.mapper as M
+    source = kvt.build_model(tiny_config("llama", n_layers=3), seed=0)
+    target = kvt.build_model(tiny_config("llama", n_layers=2), seed=1)
+    mapper, _ = calibrate(source, target, CALIB, k=2, progress=False)
+    kw = dict(hidden=(16,), max_epochs=2, progress=False)
+    whole = add_mlp(mapper, source, target, CALIB, **kw)
+    train, calls, stop = M.mlp_.train, [], [True]
+
+    class Stopped(Exception):
+        pass
+
+    def stops_after_three(*a, **k):
+        if stop[0] and len(calls) == 3:
+            raise Stopped
+        calls.append(1)
+        return train(*a, **k)
+    monkeypatch.setattr(M.mlp_, "train", stops_after_three)
+    with pytest.raises(Stopped):
+        add_mlp(mapper, source, target, CALIB, checkpoint=tmp_path / "mlp", key="a", **kw)
+    assert len(list(tmp_path.glob("mlp-*.safetensors"))) == 3
+    calls.clear()
+    stop[0] = False
+    resumed = add_mlp(mapper, source, target, CALIB, checkpoint=tmp_path / "mlp", key="a", **kw)
+    assert len(calls) == 1, "a resumed run retrained MLPs it had saved"
+    for kind in "kv":
+        for name, w in whole.mlp[kind].items():
+            assert torch.equal(w, resumed.mlp[kind][name]), f"{kind}.{name} differs after resuming"
+    with pytest.raises(KvtError, match="another pair, mapper or settings"):
+        add_mlp(mapper, source, target, CALIB, checkpoint=tmp_path / "mlp", key="b", **kw)
+
+
 def test_lambda_is_picked_per_layer_and_is_tiny_for_an_exact_pair(exact_pair):
     """An exact pair needs no shrinkage: every target layer picks a small lambda. Guards: picking
     lambda on the wrong split or by the worst score."""
