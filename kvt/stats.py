@@ -78,8 +78,9 @@ class Sums:
         mx, my = mx.to(dt), my.to(dt)                                      # the shifts' share, added back:
         sxc, syc = xc.sum(1, keepdim=True, dtype=dt), yc.sum(1, keepdim=True, dtype=dt)   # (G, 1, F), (G, 1, O)
         ux, uy = N * mx + sxc, N * my + syc                                # = sum x, sum y
-        self.xx.baddbmm_(mx.transpose(1, 2), ux).baddbmm_(sxc.transpose(1, 2), mx)  # + n m m^T + m s^T + s m^T
-        self.xy.baddbmm_(mx.transpose(1, 2), uy).baddbmm_(sxc.transpose(1, 2), my)
+        a = torch.cat([mx, sxc], 1).transpose(1, 2)                       # (G, F, 2): one rank-2 update each
+        self.xx.baddbmm_(a, torch.cat([ux, mx], 1))                        # + n m m^T + m s^T + s m^T
+        self.xy.baddbmm_(a, torch.cat([uy, my], 1))
         self.sx += ux[:, 0]
         self.sy += uy[:, 0]
         self.syy += (yc.to(dt) ** 2).sum(1) + (2 * syc + N * my)[:, 0] * my[:, 0]   # sum (yc + m)^2
@@ -88,11 +89,12 @@ class Sums:
 
     @staticmethod
     def _addmm(out, a, b):
-        """out += a @ b, batched; in place when a and b have out's dtype already."""
+        """out += a @ b, batched; in place when a and b have out's dtype already, else the product in
+        theirs, added in out's (no converted copy of the product: it is as large as out)."""
         if a.dtype == out.dtype:
             out.baddbmm_(a, b)
         else:
-            out += torch.bmm(a, b).to(out.dtype)
+            out.add_(torch.bmm(a, b))
 
     def gram(self):
         """The full symmetric sum x x^T (G, F, F) from its upper part (unchanged if already full)."""
