@@ -13,11 +13,15 @@ the calibration data serves layer selection and the final fit. Sums are plain te
 objects add by tensor addition, and a checkpoint is those tensors in a safetensors file, so a resumed
 calibration is bit-identical to an unbroken one.
 
-Precision. Each batch is centered on its own mean before its products are taken, and the mean's share
-is added back exactly in the sums' dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T + s m^T  (xc =
-x - m, s = sum xc). The big products then run in float32 (fast) on numbers of the size of the
-features' spread, not of their mean, so features with a large mean lose nothing; the sums are float64.
-products=float64 and float32 sums (dtype=torch.float32, half the memory) are options.
+Precision and speed. Features are centered on a shift m before their products are taken, and the
+shift's share is added back exactly in the sums' dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T +
+s m^T  (xc = x - m, s = sum xc). The big products then run in float32 (fast) on numbers of the size of
+the features' spread, not of their mean, so features with a large mean lose nothing; the sums are
+float64. Sums.add_ centers one batch on its own mean. Streaming (accumulate) holds the float32 products
+of several batches, centered on the first one's mean, and adds them to the float64 sums every FLUSH
+tokens (Pending): converting and adding float32 products into float64 sums once per batch cost as much
+as the products themselves. products=float64 and float32 sums (dtype=torch.float32, half the memory)
+are options.
 
 Two splits: "fit" (calibration's fit region) and "val" (its validation region, data.Calibration),
 kept as separate sums; layer selection and lambda are chosen on "val". Diagnostics use a third region
@@ -43,7 +47,8 @@ from kvt.config import KvtError, check_matched_kv, matched_kv
 KINDS = ("k", "v")
 SPLITS = ("fit", "val")
 FIELDS = ("xx", "xy", "sx", "sy", "syy", "n")
-CHUNK = 512        # features per row chunk of the upper part of xx
+CHUNK = 256        # features per row chunk of the upper part of xx
+FLUSH = 8192       # tokens of products held in the products' dtype before they are added to the sums
 FORMAT = "kvt-stats-2"  # 2: fit/val regions of disjoint documents, target-layer lists, centered products
 
 
@@ -67,34 +72,42 @@ class Sums:
 
     def add_(self, x, y, products=torch.float32):
         """Add tokens x (G, N, F) and y (G, N, O), centered on their batch mean (see the module
-        docstring); the two big products are computed in `products`, the rest in the sums' dtype."""
-        N, dt = x.shape[1], self.sx.dtype
+        docstring): the products in `products`, the means' share added back in the sums' dtype."""
         mx, my = x.mean(1, keepdim=True), y.mean(1, keepdim=True)          # (G, 1, F), (G, 1, O): the shifts
-        xc, yc = x.to(products) - mx.to(products), y.to(products) - my.to(products)
-        xt = xc.transpose(1, 2)                                            # (G, F, N)
+        batch = Sums.zeros(x.shape[0], x.shape[2], y.shape[2], x.device, products)
+        batch.add_raw_(x.to(products) - mx.to(products), y.to(products) - my.to(products))
+        return self.add_shifted_(batch, mx, my)
+
+    def add_raw_(self, x, y):
+        """Add tokens x (G, N, F) and y (G, N, O) as they are, in the sums' dtype (x and y have it)."""
+        xt = x.transpose(1, 2)                                             # (G, F, N)
         for i in range(0, x.shape[2], CHUNK):                              # rows i:i+CHUNK, columns i:
-            self._addmm(self.xx[:, i:i + CHUNK, i:], xt[:, i:i + CHUNK], xc[:, :, i:])
-        self._addmm(self.xy, xt, yc)                                       # (G, F, N) @ (G, N, O)
-        mx, my = mx.to(dt), my.to(dt)                                      # the shifts' share, added back:
-        sxc, syc = xc.sum(1, keepdim=True, dtype=dt), yc.sum(1, keepdim=True, dtype=dt)   # (G, 1, F), (G, 1, O)
-        ux, uy = N * mx + sxc, N * my + syc                                # = sum x, sum y
+            self.xx[:, i:i + CHUNK, i:].baddbmm_(xt[:, i:i + CHUNK], x[:, :, i:])
+        self.xy.baddbmm_(xt, y)                                            # (G, F, N) @ (G, N, O)
+        self.sx += x.sum(1)
+        self.sy += y.sum(1)
+        self.syy += (y * y).sum(1)
+        self.n += x.shape[1]
+        return self
+
+    def add_shifted_(self, other, mx, my):
+        """Add `other`, sums of x - mx and y - my (in any dtype; mx (G, 1, F), my (G, 1, O)), as sums of x
+        and y: in the sums' dtype,  sum x x^T = sum xc xc^T + n m m^T + m s^T + s m^T  (s = sum xc)."""
+        dt, n = self.sx.dtype, other.n.to(self.sx.dtype)
+        mx, my = mx.to(dt), my.to(dt)
+        sxc, syc = other.sx.to(dt)[:, None], other.sy.to(dt)[:, None]     # (G, 1, F), (G, 1, O)
+        ux, uy = n * mx + sxc, n * my + syc                                # = sum x, sum y
         a = torch.cat([mx, sxc], 1).transpose(1, 2)                       # (G, F, 2): one rank-2 update each
+        if other.xx is not self.xx:                                        # (Pending adds products in place)
+            self.xx.add_(other.xx)
+            self.xy.add_(other.xy)
         self.xx.baddbmm_(a, torch.cat([ux, mx], 1))                        # + n m m^T + m s^T + s m^T
         self.xy.baddbmm_(a, torch.cat([uy, my], 1))
         self.sx += ux[:, 0]
         self.sy += uy[:, 0]
-        self.syy += (yc.to(dt) ** 2).sum(1) + (2 * syc + N * my)[:, 0] * my[:, 0]   # sum (yc + m)^2
-        self.n += N
+        self.syy += other.syy.to(dt) + (2 * syc + n * my)[:, 0] * my[:, 0]  # sum (yc + m)^2
+        self.n += other.n.to(self.n.dtype)
         return self
-
-    @staticmethod
-    def _addmm(out, a, b):
-        """out += a @ b, batched; in place when a and b have out's dtype already, else the product in
-        theirs, added in out's (no converted copy of the product: it is as large as out)."""
-        if a.dtype == out.dtype:
-            out.baddbmm_(a, b)
-        else:
-            out.add_(torch.bmm(a, b))
 
     def gram(self):
         """The full symmetric sum x x^T (G, F, F) from its upper part (unchanged if already full)."""
@@ -112,6 +125,38 @@ class Sums:
 
     def tensors(self):
         return [getattr(self, f) for f in FIELDS]
+
+
+class Pending:
+    """Products of a few batches in the products' dtype, centered on one shift (the first batch's mean),
+    added to `sums` at once every FLUSH tokens and by flush_(): the float64 sums are read and written
+    once per flush, not once per batch. Until flush_(), `sums` lacks what is pending. Products of the
+    sums' own dtype go into them directly (no buffer), and only the shift's share waits for flush_()."""
+
+    def __init__(self, sums, products=torch.float32):
+        self.sums, self.products, self.buf = sums, products, None
+
+    def add_(self, x, y):
+        """Add tokens x (G, N, F) and y (G, N, O), as Sums.add_ does."""
+        p = self.products
+        if self.buf is None:
+            self.mx, self.my = x.mean(1, keepdim=True).to(p), y.mean(1, keepdim=True).to(p)
+            (G, _, F), O, s = x.shape, y.shape[2], self.sums
+            zeros = lambda *shape: torch.zeros(shape, dtype=p, device=x.device)
+            own = p != s.xx.dtype           # products of the sums' own dtype go straight into them
+            self.buf = Sums(zeros(G, F, F) if own else s.xx, zeros(G, F, O) if own else s.xy,
+                            zeros(G, F), zeros(G, O), zeros(G, O), zeros())
+        self.buf.add_raw_(x.to(p) - self.mx, y.to(p) - self.my)
+        if self.buf.n >= FLUSH:
+            self.flush_()
+        return self
+
+    def flush_(self):
+        """Add what is pending to the sums; returns them."""
+        if self.buf is not None:
+            self.sums.add_shifted_(self.buf, self.mx, self.my)
+            self.buf = None
+        return self.sums
 
 
 def blocks(idx, size):
@@ -178,14 +223,24 @@ def groups(src_cfg, tgt_cfg, scope):
     raise KvtError(f"scope {scope!r} is not known; use 'head' or 'layer'")
 
 
-def add_batch(stats, split, src_kv, tgt_kv, products=torch.float32):
-    """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split.
-    Layers of models split across devices (model.place) are brought to the statistics' device."""
+def add_batch(stats, split, src_kv, tgt_kv, pending, products=torch.float32):
+    """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split, through
+    `pending` (the caller's dict of Pending, one per sums; flush(pending) completes the sums). What is
+    pending for the other split is flushed first, so one split's products are held at a time. Layers of
+    models split across devices (model.place) are brought to the statistics' device."""
     device = stats.part("k", split).xx.device
+    flush(p for name, p in pending.items() if not name.endswith(split))
     for i, kind in enumerate(KINDS):
         x = features([src_kv[i][l].to(device) for l in stats.src_layers], stats.scope)  # (G, N, Ls, Bx)
         y = features([tgt_kv[i][l].to(device) for l in stats.tgt_layers], stats.scope)  # (G, N, Lt, By)
-        stats.part(kind, split).add_(x.flatten(2), y.flatten(2), products)  # (G, N, F), (G, N, O)
+        name = f"{kind}.{split}"
+        pending.setdefault(name, Pending(stats.sums[name], products)).add_(x.flatten(2), y.flatten(2))
+
+
+def flush(pending):
+    """Add every pending product to its sums."""
+    for p in pending:
+        p.flush_()
 
 
 def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, progress=True,
@@ -198,7 +253,7 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the
     batches are dealt out in rounds, one batch per rank, and the ranks' sums are all-reduced at every
     checkpoint and at the end, so every rank returns the statistics over all the sequences, equal to one
-    process's up to the order of summation. The invariant: the ranks' sums add up to the statistics
+    process's up to float32 rounding (each rank holds its own batches' pending products). The invariant: the ranks' sums add up to the statistics
     of the first stats.seen sequences (what stats held on entry counts once, on rank 0). A checkpoint
     holds those totals and a resume point between rounds, so it resumes with any number of ranks.
     Returns stats."""
@@ -217,17 +272,22 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     rounds = [todo[i:i + dist.world()] for i in range(0, len(todo), dist.world())]
     devices = [next(m.parameters()).device for m in (source, target)]      # where each model's input goes
     desc = f"calibration stats ({stats.scope}, {len(stats.src_layers)} source x {len(stats.tgt_layers)} target layers)"
+    pending = {}
     for i, batches in enumerate(tqdm(rounds, desc=desc, disable=not progress or dist.rank() > 0)):
         for s, e in dist.shard(batches):                                     # this rank's batch, if any
             src, tgt = (capture(m, ids[s:e].to(d)) for m, d in zip((source, target), devices))
-            add_batch(stats, "fit" if s < n_fit else "val", src, tgt, products)
+            add_batch(stats, "fit" if s < n_fit else "val", src, tgt, pending, products)
         stats.seen = batches[-1][1]
+        if (i + 1) % every == 0:                          # with or without a checkpoint, so that a resumed
+            flush(pending.values())                       # run adds in the order an unbroken one does
         if path and ((i + 1) % every == 0 or stats.seen == n):
+            flush(pending.values())
             all_reduce_(stats)
             if dist.rank() == 0:
                 save_stats(stats, path)
             else:
                 zero_(stats)                              # the totals count once: on rank 0
+    flush(pending.values())
     return all_reduce_(stats)                             # every rank: the sums over all the sequences
 
 
@@ -307,8 +367,10 @@ def sums_bytes(G, F, O, itemsize=8):
 
 
 def pass_bytes(G, F, O, batch_tokens, itemsize=8):
-    """Sums of one pass, plus one batch of features for K and V (and their centered copies)."""
-    return sums_bytes(G, F, O, itemsize) + 2 * 8 * batch_tokens * G * (F + O)
+    """Sums of one pass, the float32 products pending for K and V (Pending; none for float32 sums), and
+    one batch of features for K and V (and their centered copies)."""
+    pending = sums_bytes(G, F, O, 4) // 2 if itemsize != 4 else 0
+    return sums_bytes(G, F, O, itemsize) + pending + 2 * 8 * batch_tokens * G * (F + O)
 
 
 def layer_group_bound(src_cfg, tgt_cfg, k, group, candidates=None):

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 IDS = calib_of(torch.randint(0, 128, (18, 24), generator=torch.Generator().manual_seed(0)))  # 14 fit + 2 val: 8 batches of 2
 SEEN = len(IDS.fit) + len(IDS.val)
+FP32 = 1e-6  # 2 processes vs 1: each rank holds its own batches' float32 products (stats.Pending), so the
+             # sums agree to float32 rounding (2e-7 here), not bit for bit; a rank counted twice or lost is O(1)
 
 
 def pair():
@@ -110,12 +112,12 @@ def test_two_processes_calibrate_the_same_mapper_as_one(two_processes, tmp_path)
     for p in ("pass1", pass2):                                         # the statistics of both passes
         a, b = load_stats(two_processes / f"two.{p}"), load_stats(tmp_path / f"one.{p}")
         assert a.seen == b.seen == SEEN and a.src_layers == b.src_layers
-        assert max_diff(a, b) < 1e-13, f"{p}: 2 processes vs 1, relative difference {max_diff(a, b):.1e}"
-    for rank in (0, 1):                                               # every rank fits the same mapper
-        two = load_mapper(two_processes / f"two.rank{rank}.safetensors")
-        for name, t in one.tensors().items():
-            err = (two.tensors()[name].double() - t.double()).abs().max().item() / (1 + t.abs().max().item())
-            assert err < 1e-6, f"rank {rank} {name}: relative difference {err:.1e} from one process"
+        assert max_diff(a, b) < FP32, f"{p}: 2 processes vs 1, relative difference {max_diff(a, b):.1e}"
+    two = [load_mapper(two_processes / f"two.rank{rank}.safetensors").tensors() for rank in (0, 1)]
+    for name, t in one.tensors().items():                             # every rank fits the same mapper,
+        assert torch.equal(two[0][name], two[1][name]), f"{name}: the ranks' mappers differ"
+        err = (two[0][name].double() - t.double()).abs().max().item() / (1 + t.abs().max().item())
+        assert err < 10 * FP32, f"{name}: relative difference {err:.1e} from one process"   # the solve amplifies
 
 
 def test_gather_undoes_shard(two_processes):
@@ -129,12 +131,12 @@ def test_interrupted_two_process_run_resumes_exactly(two_processes, tmp_path):
     assert resumed.seen == whole.seen == SEEN
     assert max_diff(resumed, whole) == 0, "resumed 2-process statistics differ from an unbroken 2-process run"
     one = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, progress=False)
-    assert max_diff(resumed, one) < 1e-13, f"2 processes vs 1: relative difference {max_diff(resumed, one):.1e}"
+    assert max_diff(resumed, one) < FP32, f"2 processes vs 1: relative difference {max_diff(resumed, one):.1e}"
     # the checkpoint holds totals and a resume point, so one process can finish what two began
     path = tmp_path / "s.safetensors"
     shutil.copy(two_processes / "interrupted.safetensors", path)
     finished = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, path, every=1, progress=False)
-    assert max_diff(finished, one) < 1e-13
+    assert max_diff(finished, one) < FP32
 
 
 def test_one_process_helpers_are_no_ops():

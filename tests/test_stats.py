@@ -8,7 +8,7 @@ from kvt.capture import capture, features
 from kvt.config import KvtError, shape
 from kvt.data import Calibration
 from kvt.mapper import calibrate
-from kvt.stats import FIELDS, Sums, accumulate, load_stats, memory_plan, new_stats, save_stats
+from kvt.stats import FIELDS, Pending, Sums, accumulate, add_batch, load_stats, memory_plan, new_stats, save_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,14 +65,17 @@ class DiesAfter:
 
 
 def test_resume_is_bit_identical(pair, tmp_path):
+    """Guards: a checkpoint that misses products still pending (Pending), and a resumed run that adds its
+    pending products to the sums at other points than an unbroken run (with the same `every`)."""
     src, tgt, calib = pair
-    whole = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), batch_size=2, progress=False)
+    whole = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), batch_size=2, every=2,
+                       progress=False)
     path = tmp_path / "stats.safetensors"
     with pytest.raises(Interrupted):
-        accumulate(DiesAfter(src, 3), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=1,
+        accumulate(DiesAfter(src, 3), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2,
                    progress=False)
-    assert load_stats(path).seen == 6                                        # three batches of two were saved
-    resumed = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=1, progress=False)
+    assert load_stats(path).seen == 4                                        # two rounds of a batch of two
+    resumed = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2, progress=False)
     assert resumed.seen == len(calib.fit) + len(calib.val) and all_equal(resumed, whole)
     assert all_equal(load_stats(path), whole)
 
@@ -116,10 +119,13 @@ def test_save_refuses_nan(pair, tmp_path):
 
 
 def test_memory_plan_matches_allocated_statistics(pair):
-    src, tgt, _ = pair
+    """Guards: a plan that leaves out the float32 products pending for K and V (a quarter of the sums)."""
+    src, tgt, calib = pair
     for scope in ("head", "layer"):
-        stats = new_stats(src.config, tgt.config, scope)
-        allocated = sum(getattr(s, f).numel() * 8 for s in stats.sums.values() for f in FIELDS)
+        stats, pending, ids = new_stats(src.config, tgt.config, scope), {}, calib.fit[:1]
+        add_batch(stats, "fit", capture(src, ids), capture(tgt, ids), pending)        # float32 products held
+        allocated = sum(t.numel() * t.element_size() for s in stats.sums.values() for t in s.tensors())
+        allocated += sum(t.numel() * t.element_size() for p in pending.values() for t in p.buf.tensors())
         _, planned = memory_plan(src.config, tgt.config, scope, k=8, batch_tokens=0)[-1]  # the pass for this scope
         assert planned == allocated, f"{scope}: plan {planned} vs allocated {allocated}"
 
@@ -128,9 +134,9 @@ def test_memory_plan_for_a_real_pair():
     """qwen3-0.6b -> 1.7b: head-level statistics are small; layer scope needs the second, bigger pass."""
     src, tgt = shape("qwen3-0.6b"), shape("qwen3-1.7b")
     (_, head), = memory_plan(src, tgt, "head", batch_tokens=0)
-    assert head == 4 * 8 * (8 * 3584 * 3584 * 2 + 8 * 3584 * 3 + 1)           # G=8, F=O=28*128
+    assert head == (4 * 8 + 2 * 4) * (8 * 3584 * 3584 * 2 + 8 * 3584 * 3 + 1)  # G=8, F=O=28*128; sums, pending
     rows = memory_plan(src, tgt, "layer", batch_tokens=0)
-    assert rows[0][1] == head and rows[1][1] == 4 * 8 * (28672 * 28672 * 2 + 28672 * 3 + 1)  # G=1, F=O=28*8*128
+    assert rows[0][1] == head and rows[1][1] == (4 * 8 + 2 * 4) * (28672 * 28672 * 2 + 28672 * 3 + 1)  # G=1, F=O=28*8*128
     with pytest.raises(KvtError, match="--scope layer"):
         memory_plan(shape("qwen3-0.6b"), shape("llama3.2-1b"), "head")
 
@@ -169,8 +175,9 @@ def test_float32_products_stay_close_to_float64(pair):
 
 def test_float32_products_keep_float64_accuracy_on_features_with_a_large_mean():
     """Features with mean 100 and std 1: the ridge fit from float32 products is as accurate as from
-    float64 ones. Guards: float32 products of uncentered features (their mean swamps their spread: a W
-    error of 3.6e-2 against 1e-3), and a wrong correction for the batch means."""
+    float64 ones, batch by batch (Sums.add_) and streamed (Pending: several batches on one shift, here
+    drifting away from it). Guards: float32 products of uncentered features (their mean swamps their
+    spread: a W error of 3.6e-2 against 1e-3), and a wrong correction for the shift."""
     from kvt import ridge
     g = torch.Generator().manual_seed(0)
     W = torch.randn(1, 16, 4, generator=g, dtype=torch.float64)
@@ -178,11 +185,16 @@ def test_float32_products_keep_float64_accuracy_on_features_with_a_large_mean():
         x = 100 + torch.randn(1, n, 16, generator=g, dtype=torch.float64)
         return x, x @ W + 0.05 * torch.randn(1, n, 4, generator=g, dtype=torch.float64)
     errs = {}
-    for products in (torch.float64, torch.float32):
+    for products in (torch.float64, torch.float32, "pending"):
         s = Sums.zeros(1, 16, 4)
+        pending = Pending(s, torch.float32)                                 # as accumulate streams
         g.manual_seed(1)
-        for _ in range(8):                                                  # 8 batches of 1,024 tokens
+        for i in range(8):                                                  # 8 batches of 1,024 tokens
             x, y = data(1024)
-            s.add_(x.float(), y.float(), products)
-        errs[products] = (ridge.solve(s, 1e-9)[0] - W).abs().max().item()
-    assert errs[torch.float64] < 3e-3 and errs[torch.float32] < 1.5 * errs[torch.float64], errs
+            if products == "pending":                                       # the mean drifts by 1 a batch,
+                pending.add_(x.float() + i, (y + i * W.sum(1)).float())    # away from the first batch's
+            else:
+                s.add_(x.float(), y.float(), products)
+        errs[products] = (ridge.solve(pending.flush_(), 1e-9)[0] - W).abs().max().item()
+    assert errs[torch.float64] < 3e-3, errs
+    assert errs[torch.float32] < 1.5 * errs[torch.float64] and errs["pending"] < 1.5 * errs[torch.float64], errs
