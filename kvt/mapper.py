@@ -246,7 +246,8 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     lams = ridge.LAMBDAS if lam is None else (lam,)
     k = min(k, len(candidate_layers(src_cfg.n_layers, candidates)))
     if progress and dist.rank() == 0:
-        plan = memory_plan(src_cfg, tgt_cfg, scope, k, calib.fit.shape[1] * batch_size, candidates, stats_dtype, group)
+        plan = memory_plan(src_cfg, tgt_cfg, scope, k, calib.fit.shape[1] * batch_size, candidates, stats_dtype, group,
+                           device)
         print(f"calibration memory plan ({scope} scope, k={k}):\n{describe_plan(plan)}")
 
     def run_pass(name, scope_, src_layers=None, tgt_layers=None):

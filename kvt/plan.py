@@ -153,7 +153,7 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
     k = min(k, len(candidate_layers(src_cfg.n_layers, candidates)))
     if calibrate:
         n = calib_len * calib_batch
-        passes = memory_plan(src_cfg, tgt_cfg, scope, k, n, candidates, stats_dtype, group)
+        passes = memory_plan(src_cfg, tgt_cfg, scope, k, n, candidates, stats_dtype, group, devices[0])
         for i, (what, size) in enumerate(passes, 1):
             phase = f"calibration pass {i}"
             rows.append((phase, f"{what}, {str(stats_dtype).replace('torch.', '')}", {devices[0]: size}))

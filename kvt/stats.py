@@ -17,10 +17,10 @@ Precision and speed. Features are centered on a shift m before their products ar
 shift's share is added back exactly in the sums' dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T +
 s m^T  (xc = x - m, s = sum xc). The big products then run in float32 (fast) on numbers of the size of
 the features' spread, not of their mean, so features with a large mean lose nothing; the sums are
-float64. Sums.add_ centers one batch on its own mean. Streaming (accumulate) holds the float32 products
-of several batches, centered on the first one's mean, and adds them to the float64 sums every FLUSH
-tokens (Pending): converting and adding float32 products into float64 sums once per batch cost as much
-as the products themselves. products=float64 and float32 sums (dtype=torch.float32, half the memory)
+float64. Sums.add_ centers one batch on its own mean. Streaming (accumulate) centers every FLUSH tokens
+of batches on the first one's mean (Pending); on a CPU it holds their float32 products apart and adds
+them to the float64 sums once per flush, since converting and adding them batch by batch cost as much
+as the products themselves (on a GPU that memory goes to the statistics instead). products=float64 and float32 sums (dtype=torch.float32, half the memory)
 are options.
 
 Two splits: "fit" (calibration's fit region) and "val" (its validation region, data.Calibration),
@@ -74,21 +74,33 @@ class Sums:
         """Add tokens x (G, N, F) and y (G, N, O), centered on their batch mean (see the module
         docstring): the products in `products`, the means' share added back in the sums' dtype."""
         mx, my = x.mean(1, keepdim=True), y.mean(1, keepdim=True)          # (G, 1, F), (G, 1, O): the shifts
-        batch = Sums.zeros(x.shape[0], x.shape[2], y.shape[2], x.device, products)
+        (G, _, F), O = x.shape, y.shape[2]
+        zeros = lambda *shape: torch.zeros(shape, dtype=products, device=x.device)
+        batch = Sums(self.xx, self.xy, zeros(G, F), zeros(G, O), zeros(G, O), zeros())  # products go into self
         batch.add_raw_(x.to(products) - mx.to(products), y.to(products) - my.to(products))
         return self.add_shifted_(batch, mx, my)
 
     def add_raw_(self, x, y):
-        """Add tokens x (G, N, F) and y (G, N, O) as they are, in the sums' dtype (x and y have it)."""
+        """Add tokens x (G, N, F) and y (G, N, O) as they are: the products in x's dtype, added in the
+        sums' dtype."""
         xt = x.transpose(1, 2)                                             # (G, F, N)
         for i in range(0, x.shape[2], CHUNK):                              # rows i:i+CHUNK, columns i:
-            self.xx[:, i:i + CHUNK, i:].baddbmm_(xt[:, i:i + CHUNK], x[:, :, i:])
-        self.xy.baddbmm_(xt, y)                                            # (G, F, N) @ (G, N, O)
+            self._addmm(self.xx[:, i:i + CHUNK, i:], xt[:, i:i + CHUNK], x[:, :, i:])
+        self._addmm(self.xy, xt, y)                                        # (G, F, N) @ (G, N, O)
         self.sx += x.sum(1)
         self.sy += y.sum(1)
         self.syy += (y * y).sum(1)
         self.n += x.shape[1]
         return self
+
+    @staticmethod
+    def _addmm(out, a, b):
+        """out += a @ b, batched; in place when a and b have out's dtype already, else the product in
+        theirs, added in out's."""
+        if a.dtype == out.dtype:
+            out.baddbmm_(a, b)
+        else:
+            out.add_(torch.bmm(a, b))
 
     def add_shifted_(self, other, mx, my):
         """Add `other`, sums of x - mx and y - my (in any dtype; mx (G, 1, F), my (G, 1, O)), as sums of x
@@ -98,7 +110,7 @@ class Sums:
         sxc, syc = other.sx.to(dt)[:, None], other.sy.to(dt)[:, None]     # (G, 1, F), (G, 1, O)
         ux, uy = n * mx + sxc, n * my + syc                                # = sum x, sum y
         a = torch.cat([mx, sxc], 1).transpose(1, 2)                       # (G, F, 2): one rank-2 update each
-        if other.xx is not self.xx:                                        # (Pending adds products in place)
+        if other.xx is not self.xx:                                        # (add_ put its products in self)
             self.xx.add_(other.xx)
             self.xy.add_(other.xy)
         self.xx.baddbmm_(a, torch.cat([ux, mx], 1))                        # + n m m^T + m s^T + s m^T
@@ -127,11 +139,18 @@ class Sums:
         return [getattr(self, f) for f in FIELDS]
 
 
+def holds(device, dtype, products=torch.float32):
+    """Whether float32 products are held apart from sums of `dtype` on `device` (Pending): on a CPU,
+    where adding them to float64 sums batch by batch cost as much as the products themselves."""
+    return torch.device(device).type == "cpu" and dtype != products
+
+
 class Pending:
     """Products of a few batches in the products' dtype, centered on one shift (the first batch's mean),
-    added to `sums` at once every FLUSH tokens and by flush_(): the float64 sums are read and written
-    once per flush, not once per batch. Until flush_(), `sums` lacks what is pending. Products of the
-    sums' own dtype go into them directly (no buffer), and only the shift's share waits for flush_()."""
+    added to `sums` at once every FLUSH tokens and by flush_(): on a CPU the float64 sums are then read
+    and written once per flush, not once per batch. Until flush_(), `sums` lacks what is pending. Where
+    the products are not held (holds(): a GPU, whose memory goes to the statistics, or products of the
+    sums' own dtype), they go into the sums batch by batch, and only the shift's share waits."""
 
     def __init__(self, sums, products=torch.float32):
         self.sums, self.products, self.buf = sums, products, None
@@ -143,7 +162,7 @@ class Pending:
             self.mx, self.my = x.mean(1, keepdim=True).to(p), y.mean(1, keepdim=True).to(p)
             (G, _, F), O, s = x.shape, y.shape[2], self.sums
             zeros = lambda *shape: torch.zeros(shape, dtype=p, device=x.device)
-            own = p != s.xx.dtype           # products of the sums' own dtype go straight into them
+            own = holds(s.xx.device, s.xx.dtype, p)                        # else products go into the sums
             self.buf = Sums(zeros(G, F, F) if own else s.xx, zeros(G, F, O) if own else s.xy,
                             zeros(G, F), zeros(G, O), zeros(G, O), zeros())
         self.buf.add_raw_(x.to(p) - self.mx, y.to(p) - self.my)
@@ -366,10 +385,10 @@ def sums_bytes(G, F, O, itemsize=8):
     return 4 * itemsize * (G * F * F + G * F * O + G * F + 2 * G * O + 1)
 
 
-def pass_bytes(G, F, O, batch_tokens, itemsize=8):
-    """Sums of one pass, the float32 products pending for K and V (Pending; none for float32 sums), and
-    one batch of features for K and V (and their centered copies)."""
-    pending = sums_bytes(G, F, O, 4) // 2 if itemsize != 4 else 0
+def pass_bytes(G, F, O, batch_tokens, itemsize=8, held=False):
+    """Sums of one pass, the float32 products held for K and V where they are (holds(); `held`), and one
+    batch of features for K and V (and their centered copies)."""
+    pending = sums_bytes(G, F, O, 4) // 2 if held else 0
     return sums_bytes(G, F, O, itemsize) + pending + 2 * 8 * batch_tokens * G * (F + O)
 
 
@@ -381,7 +400,8 @@ def layer_group_bound(src_cfg, tgt_cfg, k, group, candidates=None):
     return min(C, k * group), group
 
 
-def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None, dtype=torch.float64, group=None):
+def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None, dtype=torch.float64, group=None,
+                device="cpu"):
     """[(pass, bytes)]: what calibration holds in memory, besides the two models.
 
     Head scope: one pass over the C candidate source layers (all L_src unless `candidates`). Layer scope
@@ -389,24 +409,25 @@ def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None
     target layers, each over the union of its selected layers (a group of g target layers: at most
     min(C, k * g) source layers; `group` = g, default all target layers in one pass; the bound is what
     is shown). Layer scope on other pairs: one layer-level pass over the C candidates. The passes run one
-    after the other (each is freed before the next). Each also holds one batch of features."""
+    after the other (each is freed before the next). Each also holds one batch of features, and on a
+    CPU `device` the float32 products of the batches since the last flush (Pending)."""
     check_matched_kv(src_cfg, tgt_cfg, scope)
     C, Lt = len(candidate_layers(src_cfg.n_layers, candidates)), tgt_cfg.n_layers
     matched = matched_kv(src_cfg, tgt_cfg)
-    size = torch.empty((), dtype=dtype).element_size()
+    size, held = torch.empty((), dtype=dtype).element_size(), holds(device, dtype)
     rows = []
     if matched:  # head-level statistics over the candidate source layers (the whole of head scope)
         G, bx, by = groups(src_cfg, tgt_cfg, "head")
-        rows.append((f"head statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size)))
+        rows.append((f"head statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size, held)))
     if scope == "layer":
         G, bx, by = groups(src_cfg, tgt_cfg, "layer")
         if matched:
             U, g = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
             passes = -(-Lt // g)
             what = f"layer statistics, {g} target x <={U} source layers" + (f", <={passes} passes" if passes > 1 else "")
-            rows.append((what, pass_bytes(G, U * bx, g * by, batch_tokens, size)))
+            rows.append((what, pass_bytes(G, U * bx, g * by, batch_tokens, size, held)))
         else:
-            rows.append((f"layer statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size)))
+            rows.append((f"layer statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size, held)))
     return rows
 
 

@@ -26,8 +26,8 @@ def closed_form(src, tgt, scope, k=8, T=32768, N=1024, group=None):
     def kv(c, tokens, copies=2):
         return copies * tokens * c.n_kv_heads * c.head_dim * c.n_layers * 2
 
-    def stats(G, F, O):  # 4 sums of fp64, 2 of fp32 products pending, one batch of K and V features in fp64
-        return (4 * 8 + 2 * 4) * (G * F * F + G * F * O + G * F + 2 * G * O + 1) + 2 * 8 * N * G * (F + O)
+    def stats(G, F, O):  # 4 sums of fp64 (no float32 products held on a GPU), one batch of K and V features
+        return 4 * 8 * (G * F * F + G * F * O + G * F + 2 * G * O + 1) + 2 * 8 * N * G * (F + O)
 
     Ls, Lt, Hkv, D = src.n_layers, tgt.n_layers, src.n_kv_heads, src.head_dim
     act = max((3 * c.ffn_dim + 4 * c.dim) * 2 for c in (src, tgt))   # bytes per token of one layer's forward

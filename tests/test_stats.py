@@ -4,6 +4,7 @@ import torch
 from conftest import calib_of, tiny_config
 
 import kvt
+from kvt import stats
 from kvt.capture import capture, features
 from kvt.config import KvtError, shape
 from kvt.data import Calibration
@@ -171,6 +172,19 @@ def test_float32_products_stay_close_to_float64(pair):
             a, b = getattr(fast.sums[name], f), getattr(exact.sums[name], f)
             err = (a - b).abs().max().item() / b.abs().max().item()
             assert err < 1e-6, f"{name}.{f}: relative error {err:.1e} with float32 products"
+
+
+def test_products_not_held_give_the_held_statistics(pair, monkeypatch):
+    """As on a GPU (stats.holds false): float32 products go into the float64 sums batch by batch and only
+    the shift's share waits for the flush. Guards: that path adding the shift's share twice, or never."""
+    src, tgt, calib = pair
+    held = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, every=2, progress=False)
+    monkeypatch.setattr(stats, "holds", lambda *args: False)
+    direct = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, every=2, progress=False)
+    for name in held.sums:
+        for f in FIELDS:
+            a, b = getattr(direct.sums[name], f), getattr(held.sums[name], f)
+            assert (a - b).abs().max() <= 1e-6 * b.abs().max(), f"{name}.{f}"
 
 
 def test_float32_products_keep_float64_accuracy_on_features_with_a_large_mean():
