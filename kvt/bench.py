@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvt.cache import keep_freed_memory
 from kvt.config import parse_pair, shape
 from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper
@@ -279,6 +280,7 @@ def main(argv=None):
     ap.add_argument("--recompute", default="", help="also time transfer + recomputing these fractions, e.g. 0.05,0.25")
     ap.add_argument("--json", type=Path, help="also write the rows, settings and processor here (kvt figures scaling)")
     args = ap.parse_args(argv)
+    keep_freed_memory()                # both sides alike: a cache of the last one's size costs no page faults
     fracs = [float(f) for f in args.recompute.split(",") if f.strip()]
     names = parse_pair(args.pair)
     args.dtype = args.dtype or default_dtype(args.device)

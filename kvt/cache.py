@@ -14,10 +14,29 @@ way) instead of concatenating, which would copy all T slots at every step of a d
 used once: continue from the cache each step returns (generate does), since a second step from the
 same one would write into the same free slots. Every other cache has room 0, and the model then
 concatenates into new tensors, leaving the old ones untouched.
+
+Where the memory comes from. On Linux, glibc's malloc hands a large freed block back to the system, so
+the next cache of that size is written into fresh pages, each one a page fault. keep_freed_memory()
+makes this process keep blocks up to 32 MiB for reuse (kvt's commands call it, as a serving engine
+keeps a KV pool).
 """
+import ctypes
 from dataclasses import dataclass
 
 import torch
+
+
+def keep_freed_memory():
+    """Make glibc's malloc keep freed blocks of up to 32 MiB (its largest mmap threshold) in the heap for
+    reuse, and never trim the heap back below 2 GiB, so that a second cache of the size of the last one
+    costs no page faults (at 4K tokens, qwen3-0.6b -> 1.7b head scope in bf16: about 90K faults and a
+    third of the mapping's time). For this process only; a no-op returning False without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3                   # glibc's malloc.h
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
 
 
 @dataclass

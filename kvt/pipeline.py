@@ -44,6 +44,7 @@ import torch
 import kvt
 from kvt import dist, evals, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
+from kvt.cache import keep_freed_memory
 from kvt.config import KvtError, check_matched_kv, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
@@ -383,6 +384,7 @@ def main(argv=None):
     empty output folder behind (a folder with a checkpoint in it stays: the rerun resumes from it)."""
     args = parse_args(argv)
     check_args(args)
+    keep_freed_memory()
     src_dir, tgt_dir, src_name, tgt_name = resolve(args)
     out = args.out or Path("runs") / f"{src_name}_{tgt_name}"
     created = not out.exists()
