@@ -83,7 +83,7 @@ ASSIGNMENTS = {
         Graded("rope._llama3", 2, 3, "Llama 3.1's frequencies: keep the high, divide the low, blend between"),
         Graded("rope._yarn", 3, 3, "YaRN's frequencies and attention factor (Ministral 3)"))),
     "ridge": Assignment("The normal equations, streamed", (4, 6), (
-        Graded("stats.Sums.add_", 2, 4, "sufficient statistics streamed batch by batch, centered for precision"),
+        Graded("stats.Pending.add_", 2, 4, "sufficient statistics streamed batch by batch, centered for precision"),
         Graded("stats.Sums.add_shifted_", 3, 4, "the shift's share added back exactly: sums of x from sums of x - m"),
         Graded("ridge.eigen", 3, 6, "centered covariances, standardized features, one eigendecomposition"),
         Graded("ridge.weights", 2, 6, "ridge at any lambda from the eigendecomposition, and the bias"),
@@ -197,7 +197,7 @@ def sums(x, y):
     return s
 
 
-@case("stats.Sums.add_")
+@case("stats.Pending.add_")
 @case("stats.Sums.add_shifted_")
 def case_add():
     g = torch.Generator().manual_seed(0)

@@ -20,8 +20,8 @@ the features' spread, not of their mean, so features with a large mean lose noth
 float64. Sums.add_ centers one batch on its own mean. Streaming (accumulate) centers every FLUSH tokens
 of batches on the first one's mean (Pending); on a CPU it holds their float32 products apart and adds
 them to the float64 sums once per flush, since converting and adding them batch by batch cost as much
-as the products themselves (on a GPU that memory goes to the statistics instead). products=float64 and float32 sums (dtype=torch.float32, half the memory)
-are options.
+as the products themselves (on a GPU that memory goes to the statistics instead). products=float64
+and float32 sums (dtype=torch.float32, half the memory) are options.
 
 Two splits: "fit" (calibration's fit region) and "val" (its validation region, data.Calibration),
 kept as separate sums; layer selection and lambda are chosen on "val". Diagnostics use a third region
@@ -72,13 +72,8 @@ class Sums:
 
     def add_(self, x, y, products=torch.float32):
         """Add tokens x (G, N, F) and y (G, N, O), centered on their batch mean (see the module
-        docstring): the products in `products`, the means' share added back in the sums' dtype."""
-        mx, my = x.mean(1, keepdim=True), y.mean(1, keepdim=True)          # (G, 1, F), (G, 1, O): the shifts
-        (G, _, F), O = x.shape, y.shape[2]
-        zeros = lambda *shape: torch.zeros(shape, dtype=products, device=x.device)
-        batch = Sums(self.xx, self.xy, zeros(G, F), zeros(G, O), zeros(G, O), zeros())  # products go into self
-        batch.add_raw_(x.to(products) - mx.to(products), y.to(products) - my.to(products))
-        return self.add_shifted_(batch, mx, my)
+        docstring): the products in `products`, the mean's share added back in the sums' dtype."""
+        return Pending(self, products, hold=False).add_(x, y).flush_()
 
     def add_raw_(self, x, y):
         """Add tokens x (G, N, F) and y (G, N, O) as they are: the products in x's dtype, added in the
@@ -110,7 +105,7 @@ class Sums:
         sxc, syc = other.sx.to(dt)[:, None], other.sy.to(dt)[:, None]     # (G, 1, F), (G, 1, O)
         ux, uy = n * mx + sxc, n * my + syc                                # = sum x, sum y
         a = torch.cat([mx, sxc], 1).transpose(1, 2)                       # (G, F, 2): one rank-2 update each
-        if other.xx is not self.xx:                                        # (add_ put its products in self)
+        if other.xx is not self.xx:                                        # (else its products are in self)
             self.xx.add_(other.xx)
             self.xy.add_(other.xy)
         self.xx.baddbmm_(a, torch.cat([ux, mx], 1))                        # + n m m^T + m s^T + s m^T
@@ -152,19 +147,19 @@ class Pending:
     the products are not held (holds(): a GPU, whose memory goes to the statistics, or products of the
     sums' own dtype), they go into the sums batch by batch, and only the shift's share waits."""
 
-    def __init__(self, sums, products=torch.float32):
+    def __init__(self, sums, products=torch.float32, hold=None):
         self.sums, self.products, self.buf = sums, products, None
+        self.hold = holds(sums.xx.device, sums.xx.dtype, products) if hold is None else hold
 
     def add_(self, x, y):
-        """Add tokens x (G, N, F) and y (G, N, O), as Sums.add_ does."""
-        p = self.products
+        """Add tokens x (G, N, F) and y (G, N, O), centered on the shift: the first batch's mean."""
+        p, s = self.products, self.sums
         if self.buf is None:
             self.mx, self.my = x.mean(1, keepdim=True).to(p), y.mean(1, keepdim=True).to(p)
-            (G, _, F), O, s = x.shape, y.shape[2], self.sums
+            (G, _, F), O = x.shape, y.shape[2]
             zeros = lambda *shape: torch.zeros(shape, dtype=p, device=x.device)
-            own = holds(s.xx.device, s.xx.dtype, p)                        # else products go into the sums
-            self.buf = Sums(zeros(G, F, F) if own else s.xx, zeros(G, F, O) if own else s.xy,
-                            zeros(G, F), zeros(G, O), zeros(G, O), zeros())
+            self.buf = Sums(zeros(G, F, F) if self.hold else s.xx, zeros(G, F, O) if self.hold else s.xy,
+                            zeros(G, F), zeros(G, O), zeros(G, O), zeros())    # not held: into the sums
         self.buf.add_raw_(x.to(p) - self.mx, y.to(p) - self.my)
         if self.buf.n >= FLUSH:
             self.flush_()
@@ -272,10 +267,10 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the
     batches are dealt out in rounds, one batch per rank, and the ranks' sums are all-reduced at every
     checkpoint and at the end, so every rank returns the statistics over all the sequences, equal to one
-    process's up to float32 rounding (each rank holds its own batches' pending products). The invariant: the ranks' sums add up to the statistics
-    of the first stats.seen sequences (what stats held on entry counts once, on rank 0). A checkpoint
-    holds those totals and a resume point between rounds, so it resumes with any number of ranks.
-    Returns stats."""
+    process's up to float32 rounding (each rank holds its own batches' pending products). The
+    invariant: the ranks' sums add up to the statistics of the first stats.seen sequences (what stats
+    held on entry counts once, on rank 0). A checkpoint holds those totals and a resume point between
+    rounds, so it resumes with any number of ranks. Returns stats."""
     if path and Path(path).exists():
         load_stats(path, like=stats)                    # into stats' own tensors: no second copy
     stats.data = stats.data or calib.hash()
@@ -427,7 +422,8 @@ def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None
             what = f"layer statistics, {g} target x <={U} source layers" + (f", <={passes} passes" if passes > 1 else "")
             rows.append((what, pass_bytes(G, U * bx, g * by, batch_tokens, size, held)))
         else:
-            rows.append((f"layer statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size, held)))
+            rows.append((f"layer statistics, {C} source layers",
+                         pass_bytes(G, C * bx, Lt * by, batch_tokens, size, held)))
     return rows
 
 
