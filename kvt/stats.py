@@ -292,10 +292,10 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
             src, tgt = (capture(m, ids[s:e].to(d)) for m, d in zip((source, target), devices))
             add_batch(stats, "fit" if s < n_fit else "val", src, tgt, pending, products)
         stats.seen = batches[-1][1]
-        if (i + 1) % every == 0:                          # with or without a checkpoint, so that a resumed
-            flush(pending.values())                       # run adds in the order an unbroken one does
-        if path and ((i + 1) % every == 0 or stats.seen == n):
-            flush(pending.values())
+        checkpoint = (i + 1) % every == 0 or stats.seen == n
+        if checkpoint:                                    # with or without a path, so that a resumed run
+            flush(pending.values())                       # adds in the order an unbroken one does
+        if path and checkpoint:
             all_reduce_(stats)
             if dist.rank() == 0:
                 save_stats(stats, path)

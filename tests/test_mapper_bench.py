@@ -1,7 +1,8 @@
 """Cost of the mapper's two hot paths, timed side by side in one process (run: pytest -m slow -s this file).
 
 1. Calibration: statistics accumulation (head scope, the default float32 products of centered
-   features, flushed into float64 sums every FLUSH tokens) vs the two models' forward passes on the same batch, at most +20%.
+   features, flushed into float64 sums every FLUSH tokens) vs the two models' forward passes on the
+   same batch, at most +20%.
    The pair keeps the real qwen3-0.6b -> 1.7b ratio of statistics FLOPs to forward FLOPs (about 18%)
    at a size a laptop runs: Hkv*D = dim for the source, D = 128, 14 layers each, 32K vocabulary.
 2. Apply: a head-scope mapper (k = 8) on n = 4,096 tokens vs this machine's fp32 matmul throughput.
