@@ -38,6 +38,9 @@ from kvt.stats import (KINDS, accumulate, candidate_layers, describe_plan, group
                        new_stats, sums_bytes)
 
 
+STRIP_CHUNK = 256  # tokens per pass of the source keys' RoPE strip (a cache is token-major, the features are not)
+
+
 @dataclass
 class Mapper:
     scope: str             # "head" or "layer"
@@ -72,7 +75,10 @@ class Mapper:
 
         def stripped(k):  # keys (B, Hkv, T, D), RoPE stripped, written straight into features (G, N, Bx)
             x = torch.empty(G, B * T, Bx, dtype=dtype, device=k.device)
-            rope.rotate(k.to(dtype), *src_rope(k.device), out=unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
+            out, (cos, sin) = unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim), src_rope(k.device)
+            for a in range(0, T, STRIP_CHUNK):  # a chunk's three passes find it in the processor's cache
+                c = slice(a, a + STRIP_CHUNK)
+                rope.rotate(k[:, :, c].to(dtype), cos[:, :, c], sin[:, :, c], out=out[:, :, c])
             return x
 
         xs = {"k": {l: stripped(src_cache.keys[l]) for l in used["k"]},
@@ -82,6 +88,7 @@ class Mapper:
         # (with the scratch buffer below, a one-off profile at 4K tokens, qwen3-0.6b -> 1.7b head scope,
         # bf16: 1.47 s -> 0.94 s)
         keys, values = [None] * t.n_layers, [None] * t.n_layers
+        direct = self.scope == "head" and B == 1 and out_dtype == dtype      # the map writes values into the cache
         for d in dict.fromkeys(devices):                                     # each device once, in layer order
             here = [l for l in range(t.n_layers) if devices[l] == d]
             for kind, out in (("k", keys), ("v", values)):
@@ -89,9 +96,12 @@ class Mapper:
                 x = {src: xs[kind][src].to(d) for src in need}               # each source layer moved once to d
                 scratch = torch.empty(G, B * T, By, dtype=dtype, device=d)   # reused: fresh memory costs page faults
                 for l in here:
-                    y = unfeatures(self.map_layer(kind, l, x, out=scratch), self.scope, B, T, t.n_kv_heads, t.head_dim)
                     buf = torch.empty(B, t.n_kv_heads, T + room, t.head_dim, dtype=out_dtype, device=d)
                     out[l] = buf[:, :, :T]                                   # (B, Hkv, T, D), room slots after it
+                    if kind == "v" and direct:                               # (Hkv, T, D) is the features' layout
+                        self.map_layer(kind, l, x, out=out[l][0])
+                        continue
+                    y = unfeatures(self.map_layer(kind, l, x, out=scratch), self.scope, B, T, t.n_kv_heads, t.head_dim)
                     if kind == "k":
                         rope.rotate(y, *tgt_rope(d), out=out[l])             # the target's RoPE, written in place
                     else:

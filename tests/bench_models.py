@@ -1,6 +1,7 @@
 """Prefill and greedy decode speed, kvt vs transformers, on the same random weights, side by side in one process.
 
     python -m tests.bench_models [--shape qwen3-0.6b] [--tokens 1024,2048] [--decode 32] [--dtypes float32,bfloat16]
+    python -m tests.bench_models --linear     # one token through each weight: torch's matmul vs torch.mv
 
 Both models get identical weights (transformers' modules carry the checkpoint's names, and so do
 kvt's) and the same input. Prefill: each model reads the whole context (logits for every position,
@@ -56,6 +57,18 @@ def row(what, name, tokens, k, h):
             f"| {mh / mk:.2f} |")
 
 
+def linear_rows(model, dtype, repeats):
+    """Table rows: one token through each distinct weight shape of the model, F.linear (nn.Linear's own
+    forward) against torch.mv (kvt's model.Linear for one row), alternating; ratio = F.linear / mv."""
+    shapes = {tuple(m.weight.shape): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for (o, i), w in shapes.items():
+        x = torch.randn(1, i, dtype=dtype)
+        k, h = race(lambda _: torch.mv(w, x[0]), lambda _: torch.nn.functional.linear(x, w), repeats)
+        ms = lambda t: [1e3 * s for s in t]  # noqa: E731
+        print(row(f"one token, {o} x {i} weight ({w.numel() * w.element_size() / 2**20:.0f} MiB)", str(dtype)[6:],
+                  1, ms(k), ms(h)), flush=True)
+
+
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser()
@@ -65,13 +78,18 @@ def main():
     ap.add_argument("--no-prefill", action="store_true", help="time decode only")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--linear", action="store_true", help="time one token through each weight instead")
     args = ap.parse_args()
     print(f"{args.shape}: {hardware()}, transformers {tf.__version__}; median (min-max) of {args.repeats} "
           "after a warm-up; ratio = transformers / kvt")
-    print("| what | dtype | tokens | kvt s | transformers s | ratio |\n|---|---|---|---|---|---|")
+    sides = "torch.mv ms | F.linear ms" if args.linear else "kvt s | transformers s"
+    print(f"| what | dtype | tokens | {sides} | ratio |\n|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         ours = kvt.build_model(args.shape, dtype=dtype, seed=0)
+        if args.linear:
+            linear_rows(ours, dtype, args.repeats)
+            continue
         ref = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**ours.config.to_hf()), dtype=dtype)
         ref.load_state_dict(ours.state_dict(), strict=False)  # a tied lm_head is one tensor in both
         ref.eval()

@@ -33,8 +33,11 @@ def exact_pair(request):
 
 
 @pytest.mark.parametrize("scope", ["head", "layer"])
-def test_exact_pair_is_mapped_exactly(exact_pair, scope):
-    """The twin's KV is R_h k and M_h v of the same layer: selection finds that layer, ridge the map."""
+def test_exact_pair_is_mapped_exactly(exact_pair, scope, monkeypatch):
+    """The twin's KV is R_h k and M_h v of the same layer: selection finds that layer, ridge the map.
+    apply strips source keys in chunks of 7 tokens here (a chunk dropped or misplaced fails), and maps
+    a batch of 2 and one row of it (head scope, batch 1: values written straight into the cache)."""
+    monkeypatch.setattr(kvt.mapper, "STRIP_CHUNK", 7)                       # 40 tokens: 6 chunks, the last short
     source, target = exact_pair
     mapper, report = calibrate(source, target, CALIB, scope=scope, k=1, lam=1e-9, progress=False)
     for kind in "kv":
@@ -44,6 +47,7 @@ def test_exact_pair_is_mapped_exactly(exact_pair, scope):
     _, src_cache = source(ids)
     _, tgt_cache = target(ids)
     assert_same_cache(mapper.apply(src_cache), tgt_cache, f"{scope} scope")
+    assert_same_cache(mapper.apply(src_cache.select(slice(1, 2))), tgt_cache.select(slice(1, 2)), f"{scope}, batch 1")
 
 
 def test_mapped_keys_relocate(exact_pair):

@@ -31,11 +31,17 @@ def kvt_outputs(model, ids):
 
 
 def check(model, expected, ids):
+    """Prefill then continuation, and (row 0) one token at a time after the prefill: a single token
+    takes model.Linear's matrix-vector path (a wrong product there fails the last check)."""
     logits, cache = kvt_outputs(model, ids)
     assert_close(logits, expected["logits"], "logits")
     for l in range(model.config.n_layers):
         assert_close(cache.keys[l], expected[f"keys.{l}"], f"layer {l} keys")
         assert_close(cache.values[l], expected[f"values.{l}"], f"layer {l} values")
+    _, cache = model(ids[:1, :PREFILL])
+    for t in range(PREFILL, ids.shape[1]):
+        step, cache = model(ids[:1, t:t + 1], cache=cache)
+        assert_close(step[0, 0], expected["logits"][0, t], f"row 0, token {t} alone")
 
 
 def test_cases_present():
