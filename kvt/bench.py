@@ -185,18 +185,24 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None):
     """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}},
     recompute {(src, tgt): {frac: {n: s}}} (transfer plus recomputing frac of the slots), mapping
     {(src, tgt): {n: s}} (mapper.apply alone, the part of the transfer before the target's last step).
-    flop_limit: the speedup if both sides ran at the same FLOP rate (prefill_flops / transfer_flops)."""
+    flop_limit: the speedup if both sides ran at the same FLOP rate (prefill_flops / transfer_flops).
+    rate_limit (with mapping): the speedup if the map ran at the prefill's measured FLOP rate and the
+    rest of the transfer, the target's last-token step, took what it took. That step reads every weight
+    of the target for one token, so memory bandwidth, not FLOPs, sets its time: what flop_limit leaves
+    out."""
     out, recompute, mapping = [], recompute or {}, mapping or {}
     for n in next(iter(prefill.values())):
         for (src, tgt), t in transfer.items():
             m = mappers[src, tgt]
             flops = prefill_flops(m.tgt_cfg, n), transfer_flops(m.tgt_cfg, m.n_params(), n)
-            speedup = prefill[tgt][n] / t[n]
+            speedup, map_s = prefill[tgt][n] / t[n], mapping.get((src, tgt), {}).get(n)
+            map_at_prefill_rate = prefill[tgt][n] * 2 * m.n_params() * (n - 1) / flops[0]
             out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
                         "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": speedup,
                         "target_prefill_range": [prefill[tgt][n].min, prefill[tgt][n].max],
-                        "transfer_range": [t[n].min, t[n].max], "map_s": mapping.get((src, tgt), {}).get(n),
+                        "transfer_range": [t[n].min, t[n].max], "map_s": map_s,
                         "flop_limit": flops[0] / flops[1], "of_limit": speedup * flops[1] / flops[0],
+                        "rate_limit": map_s and prefill[tgt][n] / (map_at_prefill_rate + t[n] - map_s),
                         "prefill_flops": flops[0], "transfer_flops": flops[1], "mapper_mb": m.nbytes() / 2**20,
                         "peak_gb": peak_memory_gb(device),
                         "recompute_s": {str(f): ts[n] for f, ts in recompute.get((src, tgt), {}).items()}})
@@ -255,13 +261,15 @@ def format_rows(rows):
     """A markdown table of bench rows."""
     fracs = list(rows[0].get("recompute_s", {})) if rows else []
     out = ["| direction | tokens | source prefill s | target prefill s (min-max) | transfer s (min-max) | speedup "
-           "| of which map s | FLOP limit | reached | mapper MB |" + "".join(f" + {float(f):.0%} recompute s |" for f in fracs),
-           "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
+           "| of which map s | FLOP limit | reached | at prefill's rate | mapper MB |"
+           + "".join(f" + {float(f):.0%} recompute s |" for f in fracs),
+           "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
     span = lambda r, k: f"{r[k + '_s']:.3f} ({r[k + '_range'][0]:.3f}-{r[k + '_range'][1]:.3f})"  # noqa: E731
     for r in rows:
         out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {span(r, 'target_prefill')} "
                    f"| {span(r, 'transfer')} | {r['speedup']:.1f}x | {r.get('map_s') or float('nan'):.3f} "
                    f"| {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
+                   f"| {r.get('rate_limit') or float('nan'):.1f}x "
                    f"| {r['mapper_mb']:.1f} |" + "".join(f" {r['recompute_s'][f]:.3f} |" for f in fracs))
     return "\n".join(out)
 

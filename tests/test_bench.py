@@ -40,6 +40,23 @@ def test_the_timed_mapping_is_the_transfer_before_its_last_step():
     assert all(r["map_s"] > 0 for r in rows)
 
 
+def test_rate_limit_prices_the_map_at_the_prefills_flop_rate():
+    """A map that runs exactly at the prefill's FLOP rate (its FLOPs' share of the prefill's time) leaves
+    the rate limit equal to the measured speedup; one twice as slow, above it. Guards: pricing the map
+    with the last step's FLOPs (transfer_flops: a tiny model's last step is much of them) or leaving
+    the last step's measured time out."""
+    fwd, n, prefill, last = random_mapper(SMALL, LARGE, k=2), 16, 10.0, 0.4
+    at_rate = prefill * 2 * fwd.n_params() * (n - 1) / B.prefill_flops(LARGE, n)  # the map's FLOPs at that rate
+
+    def row(map_s):
+        return B.rows({"s": {n: B.Timing([1.0])}, "l": {n: B.Timing([prefill])}},
+                      {("s", "l"): {n: B.Timing([map_s + last])}}, {("s", "l"): fwd}, "cpu",
+                      mapping={("s", "l"): {n: B.Timing([map_s])}})[0]
+    same, slow = row(at_rate), row(2 * at_rate)
+    assert same["rate_limit"] == pytest.approx(same["speedup"])
+    assert slow["rate_limit"] == pytest.approx(same["speedup"]) and slow["speedup"] < same["speedup"]
+
+
 def test_the_timed_recompute_is_a_handoff_with_that_budget():
     """transfer_step with frac recomputes the last frac of the mapped slots, as handoff does with
     Recompute(frac=frac, by="suffix"); and the rows carry its time for each budget. Guards: timing a
