@@ -34,8 +34,8 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear (no bias here) that takes one token as a matrix-vector product. A decode step and a
-    handoff's last prompt token have one row, and torch's one-row matmul reads bf16 weights on a CPU
-    at about half the speed of torch.mv (`python -m tests.bench_models --linear` measures both)."""
+    handoff's last prompt token have one row, and for bf16 weights on a CPU torch's one-row matmul is
+    slower than torch.mv (`python -m tests.bench_models --linear` times both for each weight)."""
     def forward(self, x):
         if x.numel() == x.shape[-1] and self.bias is None:
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
