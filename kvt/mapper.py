@@ -38,9 +38,6 @@ from kvt.stats import (KINDS, accumulate, candidate_layers, describe_plan, group
                        new_stats, sums_bytes)
 
 
-STRIP_CHUNK = 256  # tokens per pass of the source keys' RoPE strip (a cache is token-major, the features are not)
-
-
 @dataclass
 class Mapper:
     scope: str             # "head" or "layer"
@@ -75,18 +72,15 @@ class Mapper:
 
         def stripped(k):  # keys (B, Hkv, T, D), RoPE stripped, written straight into features (G, N, Bx)
             x = torch.empty(G, B * T, Bx, dtype=dtype, device=k.device)
-            out, (cos, sin) = unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim), src_rope(k.device)
-            for a in range(0, T, STRIP_CHUNK):  # a chunk's three passes find it in the processor's cache
-                c = slice(a, a + STRIP_CHUNK)
-                rope.rotate(k[:, :, c].to(dtype), cos[:, :, c], sin[:, :, c], out=out[:, :, c])
+            rope.rotate(k.to(dtype), *src_rope(k.device), out=unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
             return x
 
         xs = {"k": {l: stripped(src_cache.keys[l]) for l in used["k"]},
               "v": {l: layer_features(src_cache.values[l].to(dtype), self.scope).contiguous() for l in used["v"]}}
-        # contiguous features, made once here: a cache is often laid out (B, T, Hkv, D) or is a view into a
-        # longer buffer (crop, reserve), and bmm copies a strided input on every use, k times per source layer
-        # (with the scratch buffer below, a one-off profile at 4K tokens, qwen3-0.6b -> 1.7b head scope,
-        # bf16: 1.47 s -> 0.94 s)
+        # contiguous features, made once here: a cache made elsewhere (transformers' own) is laid out
+        # (B, T, Hkv, D), a crop or a reserve is a view into a longer buffer, and bmm copies a strided input on
+        # every use, k times per source layer (with the scratch buffer below, a one-off profile at 4K tokens,
+        # qwen3-0.6b -> 1.7b head scope, bf16: 1.47 s -> 0.94 s). kvt's own caches are (B, Hkv, T, D) in memory.
         keys, values = [None] * t.n_layers, [None] * t.n_layers
         direct = self.scope == "head" and B == 1 and out_dtype == dtype      # the map writes values into the cache
         for d in dict.fromkeys(devices):                                     # each device once, in layer order

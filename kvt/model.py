@@ -64,6 +64,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|Hkv, T, D)
         q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)           # <-- difference 2 (in cos, sin)
+        k, v = k.contiguous(), v.contiguous()  # a cache keeps each head's slots together, as the mapper reads them
         if temperature is not None:                                         # <-- difference 3: Ministral 3
             q = q * temperature.to(q.dtype)
         if slots is not None:   # recompute: this pass's own keys and values replace the cached ones there

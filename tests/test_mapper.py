@@ -33,11 +33,10 @@ def exact_pair(request):
 
 
 @pytest.mark.parametrize("scope", ["head", "layer"])
-def test_exact_pair_is_mapped_exactly(exact_pair, scope, monkeypatch):
+def test_exact_pair_is_mapped_exactly(exact_pair, scope):
     """The twin's KV is R_h k and M_h v of the same layer: selection finds that layer, ridge the map.
-    apply strips source keys in chunks of 7 tokens here (a chunk dropped or misplaced fails), and maps
-    a batch of 2 and one row of it (head scope, batch 1: values written straight into the cache)."""
-    monkeypatch.setattr(kvt.mapper, "STRIP_CHUNK", 7)                       # 40 tokens: 6 chunks, the last short
+    apply maps a batch of 2 and one row of it (head scope, batch 1: values written straight into the
+    cache; writing them elsewhere fails)."""
     source, target = exact_pair
     mapper, report = calibrate(source, target, CALIB, scope=scope, k=1, lam=1e-9, progress=False)
     for kind in "kv":
