@@ -236,6 +236,16 @@ def test_queries_are_kept_only_when_asked(queries):
     assert (cache.queries is not None) == queries
 
 
+def test_a_prefill_cache_keeps_each_heads_slots_together():
+    """A prefill's keys and values are (B, Hkv, T, D) in memory, the layout the mapper's batched matmuls
+    read. Guards: keeping the projections' token-major views (B, T, Hkv, D), which every transfer then
+    copies, and decode's attention reads with a stride."""
+    from tests.conftest import tiny_config
+    model = kvt.build_model(tiny_config(n_layers=2), seed=0)
+    _, cache = model(torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0)))
+    assert all(t.is_contiguous() for t in cache.keys + cache.values), [t.stride() for t in cache.keys]
+
+
 def test_decode_appends_in_place_into_owned_room_and_never_into_views():
     """Decoding from a reserved cache writes each step's K and V into its buffer (no copy of the T slots
     before it), one token at a time gives the logits of one prefill, and a view (crop, expand) is never
