@@ -3,7 +3,8 @@
 For every layer l it holds keys[l] and values[l] of shape (B, Hkv, T, D). Keys are stored AFTER RoPE,
 as a serving engine stores them, so each key carries its position; `positions` records those
 positions and `mask` which slots hold real tokens (False marks left padding). A transfer produces
-exactly this object for the target model, which then simply continues from it.
+exactly this object for the target model, which then simply continues from it. kvt's model stores
+each layer head by head, contiguous (B, Hkv, T, D), the order in which the mapper reads it.
 
 Who owns the memory. keys[l] may be a view: select, expand and crop return caches that share
 storage with the original (scoring n continuations of one context, or a prefix of a longer cache,
