@@ -80,9 +80,9 @@ def main():
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--linear", action="store_true", help="time one token through each weight instead")
     args = ap.parse_args()
-    print(f"{args.shape}: {hardware()}, transformers {tf.__version__}; median (min-max) of {args.repeats} "
-          "after a warm-up; ratio = transformers / kvt")
     sides = "torch.mv ms | F.linear ms" if args.linear else "kvt s | transformers s"
+    print(f"{args.shape}: {hardware()}, transformers {tf.__version__}; median (min-max) of {args.repeats} "
+          f"after a warm-up; ratio = {'F.linear / torch.mv' if args.linear else 'transformers / kvt'}")
     print(f"| what | dtype | tokens | {sides} | ratio |\n|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
