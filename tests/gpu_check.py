@@ -25,10 +25,9 @@ from kvt.data import Calibration
 from kvt.mapper import calibrate
 
 
-def calibration_check(pair, device, n_seqs, length, k, scope):
+def calibration_check(pair, device, dtype, n_seqs, length, k, scope):
     """Text lines: the forward passes over the calibration tokens, then the whole calibration, timed."""
     src_name, tgt_name = parse_pair(pair)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     source = kvt.build_model(src_name, dtype=dtype, device=device, seed=0)
     target = kvt.build_model(tgt_name, dtype=dtype, device=device, seed=1)
     ids = torch.randint(0, source.config.vocab_size, (n_seqs + 4, length), generator=torch.Generator().manual_seed(0))
@@ -62,14 +61,14 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     pair, lengths, n_seqs, length, k, scope = ("qwen3-1.7b:4b", "8192,32768", 32, 1024, 8, "layer") \
         if not args.small else ("qwen3-0.6b:1.7b", "64,128", 4, 64, 2, "head")
-    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    dtype = bench.default_dtype(args.device)                            # bf16 on a GPU
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         bench.main(["--pair", pair, "--scope", "head", "--lengths", lengths, "--device", args.device, "--dtype", dtype,
                     "--repeats", "5", "--json", str(args.out / "bench.json")])
     (args.out / "bench.txt").write_text(printed.getvalue())
     print(printed.getvalue())
-    lines = calibration_check(pair, args.device, n_seqs, length, k, scope)
+    lines = calibration_check(pair, args.device, getattr(torch, dtype), n_seqs, length, k, scope)
     (args.out / "calibration.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
