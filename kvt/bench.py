@@ -8,7 +8,8 @@ For each context length n and each direction (source -> target):
   target prefill   what a model swap costs today: the target re-reads all n tokens
   transfer         mapper.apply on the source's cache of n - 1 tokens, then the target runs the last
                    prompt token itself (the handoff of handoff.py)
-  speedup          target prefill / transfer
+  speedup          target prefill / transfer (the ratio of their medians)
+  per round        the same ratio taken in each round of runs (median, min-max; per_round)
   + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
                    mapped slots itself (handoff.Recompute; timed on the last f of the slots, since
                    the cost depends on their number, not on which ones attention would choose)
@@ -115,11 +116,19 @@ def sync(device):
 
 
 class Timing(float):
-    """A median time in seconds (it is that float) that also keeps the fastest and slowest run."""
+    """A median time in seconds (it is that float) that also keeps every run, the fastest and the slowest."""
     def __new__(cls, times):
         t = super().__new__(cls, statistics.median(times))
-        t.min, t.max = min(times), max(times)
+        t.times, t.min, t.max = list(times), min(times), max(times)
         return t
+
+
+def per_round(a, b):
+    """a / b round by round: (median, min, max) of a.times[i] / b.times[i], for two Timings taken in turn
+    by median_times. A shared host that slows down for a while slows both runs of a round alike, where
+    a / b, the ratio of the two medians, may divide a run taken in a slow spell by one taken in a fast one."""
+    ratios = [x / y for x, y in zip(a.times, b.times, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def median_time(fn, device, repeats):
@@ -199,6 +208,7 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None):
             map_at_prefill_rate = prefill[tgt][n] * 2 * m.n_params() * (n - 1) / flops[0]
             out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
                         "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": speedup,
+                        "speedup_per_round": per_round(prefill[tgt][n], t[n]),
                         "target_prefill_range": [prefill[tgt][n].min, prefill[tgt][n].max],
                         "transfer_range": [t[n].min, t[n].max], "map_s": map_s,
                         "flop_limit": flops[0] / flops[1], "of_limit": speedup * flops[1] / flops[0],
@@ -261,13 +271,15 @@ def format_rows(rows):
     """A markdown table of bench rows."""
     fracs = list(rows[0].get("recompute_s", {})) if rows else []
     out = ["| direction | tokens | source prefill s | target prefill s (min-max) | transfer s (min-max) | speedup "
-           "| of which map s | FLOP limit | reached | at prefill's rate | mapper MB |"
+           "| per round (min-max) | of which map s | FLOP limit | reached | at prefill's rate | mapper MB |"
            + "".join(f" + {float(f):.0%} recompute s |" for f in fracs),
-           "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
+    rounds = lambda m: f"{m[0]:.1f}x ({m[1]:.1f}-{m[2]:.1f})"  # noqa: E731
     span = lambda r, k: f"{r[k + '_s']:.3f} ({r[k + '_range'][0]:.3f}-{r[k + '_range'][1]:.3f})"  # noqa: E731
     for r in rows:
         out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {span(r, 'target_prefill')} "
-                   f"| {span(r, 'transfer')} | {r['speedup']:.1f}x | {r.get('map_s') or float('nan'):.3f} "
+                   f"| {span(r, 'transfer')} | {r['speedup']:.1f}x | {rounds(r['speedup_per_round'])} "
+                   f"| {r.get('map_s') or float('nan'):.3f} "
                    f"| {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
                    f"| {r.get('rate_limit') or float('nan'):.1f}x "
                    f"| {r['mapper_mb']:.1f} |" + "".join(f" {r['recompute_s'][f]:.3f} |" for f in fracs))

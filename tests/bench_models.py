@@ -2,6 +2,7 @@
 
     python -m tests.bench_models [--shape qwen3-0.6b] [--tokens 1024,2048] [--decode 32] [--dtypes float32,bfloat16]
     python -m tests.bench_models --linear     # one token through each weight: torch's matmul vs torch.mv
+    python -m tests.bench_models --profile 2 --tokens 2048 --dtypes float32   # where each prefill's time goes
 
 Both models get identical weights (transformers' modules carry the checkpoint's names, and so do
 kvt's) and the same input. Prefill: each model reads the whole context (logits for every position,
@@ -9,8 +10,9 @@ as transformers computes them). Decode: from each model's own cache of the conte
 tokens, kvt through kvt.generate, transformers through the same loop written on its forward (argmax,
 feed back, its DynamicCache); the cache is rebuilt before each run, untimed. Every measurement is a
 warm-up run, then `--repeats` timed runs alternating between the two; the table gives the medians,
-min and max, and the ratio transformers / kvt (above 1: kvt is faster), with the processor it ran
-on. transformers is a test dependency only.
+min and max, and the ratio transformers / kvt (above 1: kvt is faster) twice: of the medians, and per
+round (each round's two runs back to back; its median, min and max), with the processor it ran on.
+transformers is a test dependency only.
 """
 import argparse
 import statistics
@@ -20,7 +22,8 @@ import torch
 import transformers as tf
 
 import kvt
-from kvt.bench import hardware
+from kvt.bench import Timing, hardware, per_round
+from kvt.cache import keep_freed_memory
 
 
 def timed(fn):
@@ -52,9 +55,25 @@ def race(kvt_fn, hf_fn, repeats, kvt_setup=lambda: None, hf_setup=lambda: None):
 
 
 def row(what, name, tokens, k, h):
+    """A table row: both sides' median (min-max), the ratio of the medians, and the ratio per round
+    (bench.per_round: median, min-max of h[i] / k[i], the two runs of a round taken back to back)."""
     mk, mh = statistics.median(k), statistics.median(h)
+    r = per_round(Timing(h), Timing(k))
     return (f"| {what} | {name} | {tokens} | {mk:.3f} ({min(k):.3f}-{max(k):.3f}) | {mh:.3f} ({min(h):.3f}-{max(h):.3f}) "
-            f"| {mh / mk:.2f} |")
+            f"| {mh / mk:.2f} | {r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f}) |")
+
+
+def profile_rows(kvt_fn, hf_fn, runs, top=8):
+    """Where a prefill's time goes: `runs` profiled prefills per side, alternating, after a warm-up; for
+    each, its wall time and the `top` operators by their own CPU time (torch.profiler)."""
+    from torch.profiler import profile
+    kvt_fn(), hf_fn()
+    for _ in range(runs):
+        for name, fn in (("kvt", kvt_fn), ("transformers", hf_fn)):
+            with profile() as prof:
+                t = timed(fn)
+            print(f"{name}: {t:.3f} s")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), flush=True)
 
 
 def linear_rows(model, dtype, repeats):
@@ -79,11 +98,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--linear", action="store_true", help="time one token through each weight instead")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many prefills per side instead")
     args = ap.parse_args()
+    keep_freed_memory()  # as kvt.bench and run.py do; both sides alike
     sides = "torch.mv ms | F.linear ms" if args.linear else "kvt s | transformers s"
     print(f"{args.shape}: {hardware()}, transformers {tf.__version__}; median (min-max) of {args.repeats} "
           f"after a warm-up; ratio = {'F.linear / torch.mv' if args.linear else 'transformers / kvt'}")
-    print(f"| what | dtype | tokens | {sides} | ratio |\n|---|---|---|---|---|---|")
+    print(f"| what | dtype | tokens | {sides} | ratio | per round (min-max) |\n|---|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         ours = kvt.build_model(args.shape, dtype=dtype, seed=0)
@@ -99,6 +120,9 @@ def main():
             # (std 0.64) on this shape, and so as far from the other: rounding, not a different model
             tol = 1e-3 if dtype == torch.float32 else 0.15
             assert (ours(ids[:, :64])[0] - ref(ids[:, :64]).logits).abs().max() < tol, "models differ"
+            if args.profile:
+                profile_rows(lambda: ours(ids), lambda: ref(ids, use_cache=True), args.profile)
+                continue
             if not args.no_prefill:
                 k, h = race(lambda _: ours(ids), lambda _: ref(ids, use_cache=True), args.repeats)
                 print(row("prefill", name, T, k, h), flush=True)

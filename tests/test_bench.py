@@ -100,6 +100,13 @@ def test_median_times_takes_its_runs_in_turn(monkeypatch):
     assert calls == ["a", "b"] * 4 and (a, b) == (5.0, 12.0)
 
 
+def test_per_round_divides_the_runs_of_each_round():
+    """Round by round, a took 10, 30, 20 s and b 1, 3, 4 s: ratios 10, 10, 5. Guards: pairing the runs
+    out of their rounds (sorted, the ratios would be 10, 6.7, 7.5: median 7.5) or dividing the medians
+    (20 / 3 = 6.7)."""
+    assert B.per_round(B.Timing([10.0, 30.0, 20.0]), B.Timing([1.0, 3.0, 4.0])) == (10.0, 5.0, 10.0)
+
+
 def test_bench_and_bench_lean_time_the_same_things():
     """Guards: bench_lean building more than one model at a time, or timing a model's prefill twice."""
     fwd, back = random_mapper(SMALL, LARGE, k=2), random_mapper(LARGE, SMALL, k=2, seed=1)
