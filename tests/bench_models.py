@@ -15,11 +15,11 @@ round (each round's two runs back to back; its median, min and max), with the pr
 transformers is a test dependency only.
 """
 import argparse
-import statistics
 import time
 
 import torch
 import transformers as tf
+from torch.profiler import profile
 
 import kvt
 from kvt.bench import Timing, hardware, per_round
@@ -57,16 +57,15 @@ def race(kvt_fn, hf_fn, repeats, kvt_setup=lambda: None, hf_setup=lambda: None):
 def row(what, name, tokens, k, h):
     """A table row: both sides' median (min-max), the ratio of the medians, and the ratio per round
     (bench.per_round: median, min-max of h[i] / k[i], the two runs of a round taken back to back)."""
-    mk, mh = statistics.median(k), statistics.median(h)
-    r = per_round(Timing(h), Timing(k))
-    return (f"| {what} | {name} | {tokens} | {mk:.3f} ({min(k):.3f}-{max(k):.3f}) | {mh:.3f} ({min(h):.3f}-{max(h):.3f}) "
-            f"| {mh / mk:.2f} | {r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f}) |")
+    k, h = Timing(k), Timing(h)
+    r = per_round(h, k)
+    return (f"| {what} | {name} | {tokens} | {k:.3f} ({k.min:.3f}-{k.max:.3f}) | {h:.3f} ({h.min:.3f}-{h.max:.3f}) "
+            f"| {h / k:.2f} | {r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f}) |")
 
 
 def profile_rows(kvt_fn, hf_fn, runs, top=8):
     """Where a prefill's time goes: `runs` profiled prefills per side, alternating, after a warm-up; for
     each, its wall time and the `top` operators by their own CPU time (torch.profiler)."""
-    from torch.profiler import profile
     kvt_fn(), hf_fn()
     for _ in range(runs):
         for name, fn in (("kvt", kvt_fn), ("transformers", hf_fn)):
