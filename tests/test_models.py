@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import kvt
 from kvt.config import KvtError, config_from_dict, parse_pair, check_matched_kv, shape
+from tests.conftest import tiny_config
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "expected.safetensors").exists())
@@ -224,7 +225,6 @@ def test_queries_are_kept_only_when_asked(queries):
     appending every layer's q to a list whether asked or not, which holds them all until the pass ends
     (about 32 GiB at 32K tokens on Qwen3-32B in bf16, memory the plan does not count)."""
     import weakref
-    from tests.conftest import tiny_config
     model = kvt.build_model(tiny_config(n_layers=3))
     refs, alive = [], []
     for block in model.model.layers:
@@ -240,7 +240,6 @@ def test_a_prefill_cache_keeps_each_heads_slots_together():
     """A prefill's keys and values are (B, Hkv, T, D) in memory, the layout the mapper's batched matmuls
     read. Guards: keeping the projections' token-major views (B, T, Hkv, D), which every transfer then
     copies, and decode's attention reads with a stride."""
-    from tests.conftest import tiny_config
     model = kvt.build_model(tiny_config(n_layers=2), seed=0)
     _, cache = model(torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0)))
     assert all(t.is_contiguous() for t in cache.keys + cache.values), [t.stride() for t in cache.keys]
@@ -252,7 +251,6 @@ def test_decode_appends_in_place_into_owned_room_and_never_into_views():
     written into. Guards: concatenating at every step (O(T) copies per token), an in-place write into
     storage a crop or expand shares with another cache, and a decode step that needs an attention
     mask and gets none."""
-    from tests.conftest import tiny_config
     model = kvt.build_model(tiny_config(n_layers=2), seed=0, std=0.2)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     want, whole = model(ids)
