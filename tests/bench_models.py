@@ -103,7 +103,8 @@ def main():
     sides = "torch.mv ms | F.linear ms" if args.linear else "kvt s | transformers s"
     print(f"{args.shape}: {hardware()}, transformers {tf.__version__}; median (min-max) of {args.repeats} "
           f"after a warm-up; ratio = {'F.linear / torch.mv' if args.linear else 'transformers / kvt'}")
-    print(f"| what | dtype | tokens | {sides} | ratio | per round (min-max) |\n|---|---|---|---|---|---|---|")
+    if not args.profile:  # a profile prints its own tables
+        print(f"| what | dtype | tokens | {sides} | ratio | per round (min-max) |\n|---|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         ours = kvt.build_model(args.shape, dtype=dtype, seed=0)
