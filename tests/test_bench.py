@@ -57,6 +57,34 @@ def test_rate_limit_prices_the_map_at_the_prefills_flop_rate():
     assert slow["rate_limit"] == pytest.approx(same["speedup"]) and slow["speedup"] < same["speedup"]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_last_step_bytes_are_what_one_token_reads(tied):
+    """last_step_bytes is every byte a one-token step reads: the model's weights (the embedding one row
+    only, unless tied, when it is the output layer too) and a cache's K and V of T slots, counted here
+    from a built model and a real cache; last_gbs divides it by the last step's time. Guards: counting
+    a tied embedding twice or an untied one whole, pricing the cache at T - 1 slots or fp32 bytes for
+    bf16, or dividing by the whole transfer's time."""
+    cfg, T = tiny_config(n_layers=3, dim=96, tie_embeddings=tied), 16
+    model = kvt.build_model(cfg, dtype=torch.bfloat16)
+    _, cache = model(token_ids([T], cfg.vocab_size, "cpu"))
+    weights = sum(p.nbytes for p in model.parameters())  # a tied table once
+    embedding = 0 if tied else model.model.embed_tokens.weight.nbytes
+    want = weights - embedding + sum(k.nbytes + v.nbytes for k, v in zip(cache.keys, cache.values))
+    assert B.last_step_bytes(cfg, T, 2) == want
+    fwd, map_s, last = random_mapper(SMALL, cfg, k=2), 0.3, 0.02
+    row = B.rows({"s": {T: B.Timing([1.0])}, "l": {T: B.Timing([10.0])}}, {("s", "l"): {T: B.Timing([map_s + last])}},
+                 {("s", "l"): fwd}, "cpu", mapping={("s", "l"): {T: B.Timing([map_s])}}, itemsize={("s", "l"): 2})[0]
+    assert row["last_gbs"] == pytest.approx(want / last / 1e9)
+
+
+def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
+    """A copy of 8 MiB that takes one second moves 16 MiB: what it read and what it wrote, as the last
+    step's rate counts every byte it reads. Guards: counting one side of the copy, or float32 elements
+    as bytes."""
+    monkeypatch.setattr(B, "median_time", lambda fn, device, repeats: 1.0)
+    assert B.copy_bandwidth("cpu", mib=8) == 2 * 8 * 2**20 / 1e9
+
+
 def test_the_timed_recompute_is_a_handoff_with_that_budget():
     """transfer_step with frac recomputes the last frac of the mapped slots, as handoff does with
     Recompute(frac=frac, by="suffix"); and the rows carry its time for each budget. Guards: timing a
