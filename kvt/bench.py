@@ -11,8 +11,9 @@ For each context length n and each direction (source -> target):
   speedup          target prefill / transfer (the ratio of their medians)
   per round        the same ratio taken in each round of runs (median, min-max; per_round)
   of which map s   mapper.apply alone; the rest of the transfer is the target's last-token step
-  last step GB/s   the bytes that step reads (last_step_bytes) over its time; the header gives a plain
-                   copy's rate on the same device (copy_bandwidth), about the most that step can reach
+  last step GB/s   the bytes that step reads (last_step_bytes) over its time
+  copy GB/s        a plain copy's rate, timed in turn with the rest (copier): about the most the
+                   last step can reach on this device at that time
   + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
                    mapped slots itself (handoff.Recompute; timed on the last f of the slots, since
                    the cost depends on their number, not on which ones attention would choose)
@@ -75,12 +76,13 @@ def last_step_bytes(cfg, T, itemsize):
     return (n_params(cfg) - untied_embedding + kv) * itemsize
 
 
-def copy_bandwidth(device="cpu", mib=512, repeats=5):
-    """The device's memory bandwidth in GB/s as one copy of `mib` MiB of float32 reaches it (bytes read
-    plus bytes written), median of `repeats`: the rate against which to read a row's last_gbs."""
+def copier(device, mib=512):
+    """(fn, bytes): fn copies `mib` MiB of float32 from one buffer to another on device, moving `bytes`
+    (read plus written). Timed in turn with a prefill and a transfer, it gives the memory bandwidth of
+    that moment, against which to read the last step's rate (a shared host's drifts from minute to minute)."""
     a = torch.ones(mib * 2**20 // 4, device=device)
     b = torch.empty_like(a)
-    return 2 * a.numel() * 4 / median_time(lambda: b.copy_(a), device, repeats) / 1e9
+    return (lambda: b.copy_(a)), a.nbytes + b.nbytes
 
 
 def bf16_units():
@@ -151,6 +153,14 @@ def per_round(a, b):
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
+def last_step_s(transfer, mapping):
+    """The time of a transfer's last step, for two Timings taken in turn (median_times): the median
+    over rounds of that round's transfer minus its map. The difference of the two medians would set a
+    transfer from one round against a map from another, and a small difference of large, noisy
+    times moves with every round the host slows down."""
+    return statistics.median(x - y for x, y in zip(transfer.times, mapping.times, strict=True))
+
+
 def median_time(fn, device, repeats):
     """Median wall time of fn() over `repeats` runs, after one warm-up run (a Timing: .min, .max too)."""
     return median_times([fn], device, repeats)[0]
@@ -210,18 +220,18 @@ def map_step(target, mapper, cache, ids, n):
                         room=1)
 
 
-def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, itemsize=None):
+def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, itemsize=None, copies=None):
     """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}},
     recompute {(src, tgt): {frac: {n: s}}} (transfer plus recomputing frac of the slots), mapping
     {(src, tgt): {n: s}} (mapper.apply alone, the part of the transfer before the target's last step),
-    itemsize {(src, tgt): bytes per weight of the target}.
+    itemsize {(src, tgt): bytes per weight of the target}, copies {(src, tgt): {n: (s, bytes)}} (copier).
     flop_limit: the speedup if both sides ran at the same FLOP rate (prefill_flops / transfer_flops).
     rate_limit (with mapping): the speedup if the map ran at the prefill's measured FLOP rate and the
     rest of the transfer, the target's last-token step, took what it took. That step reads every weight
     of the target for one token, so memory bandwidth, not FLOPs, sets its time: what flop_limit leaves
     out. last_gbs (with mapping and itemsize): the rate at which that step reads, last_step_bytes over
-    its time, to set beside the device's copy_bandwidth."""
-    out, recompute, mapping, itemsize = [], recompute or {}, mapping or {}, itemsize or {}
+    its time (last_step_s); copy_gbs (with copies): a plain copy's rate, taken in turn with it."""
+    out, recompute, mapping, itemsize, copies = [], recompute or {}, mapping or {}, itemsize or {}, copies or {}
     for n in next(iter(prefill.values())):
         for (src, tgt), t in transfer.items():
             m = mappers[src, tgt]
@@ -229,6 +239,7 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
             speedup, map_s = prefill[tgt][n] / t[n], mapping.get((src, tgt), {}).get(n)
             map_at_prefill_rate = prefill[tgt][n] * 2 * m.n_params() * (n - 1) / flops[0]
             last_bytes = last_step_bytes(m.tgt_cfg, n, itemsize.get((src, tgt), 0))
+            copy_s, copy_bytes = copies.get((src, tgt), {}).get(n, (None, 0))
             out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
                         "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": speedup,
                         "speedup_per_round": per_round(prefill[tgt][n], t[n]),
@@ -236,7 +247,8 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
                         "transfer_range": [t[n].min, t[n].max], "map_s": map_s,
                         "flop_limit": flops[0] / flops[1], "of_limit": speedup * flops[1] / flops[0],
                         "rate_limit": map_s and prefill[tgt][n] / (map_at_prefill_rate + t[n] - map_s),
-                        "last_gbs": map_s and last_bytes and last_bytes / (t[n] - map_s) / 1e9,
+                        "last_gbs": map_s and last_bytes and last_bytes / last_step_s(t[n], map_s) / 1e9,
+                        "copy_gbs": copy_s and copy_bytes / copy_s / 1e9,
                         "prefill_flops": flops[0], "transfer_flops": flops[1], "mapper_mb": m.nbytes() / 2**20,
                         "peak_gb": peak_memory_gb(device),
                         "recompute_s": {str(f): ts[n] for f, ts in recompute.get((src, tgt), {}).items()}})
@@ -262,7 +274,8 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     small = build(names[0])
     device = next(small.parameters()).device
     ids = token_ids(lengths, small.config.vocab_size, device)
-    prefill, transfer, recompute, mapping, itemsize = {}, {}, {}, {}, {}
+    prefill, transfer, recompute, mapping, itemsize, copies = {}, {}, {}, {}, {}, {}
+    copy, copy_bytes = copier(device)
     mappers = {(names[0], names[1]): fwd}
     if back is None:  # else the way back times the small model's prefill, beside its transfers
         prefill[names[0]], c_small = prefills(small, ids, lengths, repeats, names[0])
@@ -272,14 +285,15 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
 
     def both(target, mapper, cache, src, tgt):
         mapper = mapper if mapper.placed else mapper.place(layer_devices(target))
-        transfer[src, tgt], mapping[src, tgt], recompute[src, tgt] = {}, {}, {f: {} for f in fracs}
-        itemsize[src, tgt] = next(target.parameters()).element_size()
+        transfer[src, tgt], mapping[src, tgt], copies[src, tgt] = {}, {}, {}
+        recompute[src, tgt], itemsize[src, tgt] = {f: {} for f in fracs}, next(target.parameters()).element_size()
         for n in tqdm(lengths, desc=f"{src} -> {tgt}: prefill, transfer", unit="length"):
             fns = [lambda: target(ids[:, :n], last=True), lambda: transfer_step(target, mapper, cache, ids, n),
-                   lambda: map_step(target, mapper, cache, ids, n)]
+                   lambda: map_step(target, mapper, cache, ids, n), copy]
             fns += [lambda f=f: transfer_step(target, mapper, cache, ids, n, f) for f in fracs]
-            prefill.setdefault(tgt, {})[n], transfer[src, tgt][n], mapping[src, tgt][n], *rc = \
+            prefill.setdefault(tgt, {})[n], transfer[src, tgt][n], mapping[src, tgt][n], copy_s, *rc = \
                 median_times(fns, device, repeats)
+            copies[src, tgt][n] = copy_s, copy_bytes
             for f, t in zip(fracs, rc):
                 recompute[src, tgt][f][n] = t
 
@@ -290,7 +304,7 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     if back is not None:
         mappers[names[1], names[0]] = back
         both(build(names[0]), back, c_large, names[1], names[0])
-    return rows(prefill, transfer, mappers, device, recompute, mapping, itemsize)
+    return rows(prefill, transfer, mappers, device, recompute, mapping, itemsize, copies)
 
 
 def format_rows(rows):
@@ -298,9 +312,9 @@ def format_rows(rows):
     fracs = list(rows[0].get("recompute_s", {})) if rows else []
     out = ["| direction | tokens | source prefill s | target prefill s (min-max) | transfer s (min-max) | speedup "
            "| per round (min-max) | of which map s | FLOP limit | reached | at prefill's rate | last step GB/s "
-           "| mapper MB |"
+           "| copy GB/s | mapper MB |"
            + "".join(f" + {float(f):.0%} recompute s |" for f in fracs),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
     rounds = lambda m: f"{m[0]:.1f}x ({m[1]:.1f}-{m[2]:.1f})"  # noqa: E731
     span = lambda r, k: f"{r[k + '_s']:.3f} ({r[k + '_range'][0]:.3f}-{r[k + '_range'][1]:.3f})"  # noqa: E731
     for r in rows:
@@ -309,6 +323,7 @@ def format_rows(rows):
                    f"| {r.get('map_s') or float('nan'):.3f} "
                    f"| {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
                    f"| {r.get('rate_limit') or float('nan'):.1f}x | {r.get('last_gbs') or float('nan'):.1f} "
+                   f"| {r.get('copy_gbs') or float('nan'):.1f} "
                    f"| {r['mapper_mb']:.1f} |" + "".join(f" {r['recompute_s'][f]:.3f} |" for f in fracs))
     return "\n".join(out)
 
@@ -339,16 +354,14 @@ def main(argv=None):
         table = bench_lean(build, names, fwd, back, lengths, args.repeats, fracs)
     else:
         table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names, fracs)
-    copy_gbs = copy_bandwidth(args.device)  # taken after the runs, with the models freed
     print(f"{args.pair}, {args.scope} scope, k={args.k}, {args.dtype} on {hardware(args.device)}; median of "
           f"{args.repeats} after a warm-up{', one model at a time' if args.lean else ''}; "
-          f"peak memory {max(r['peak_gb'] for r in table):.1f} GiB; "
-          f"copy bandwidth {copy_gbs:.1f} GB/s (read + written)")
+          f"peak memory {max(r['peak_gb'] for r in table):.1f} GiB")
     print(format_rows(table))
     if args.json:
         args.json.write_text(json.dumps({"pair": args.pair, "scope": args.scope, "k": args.k, "dtype": args.dtype,
-                                         "hardware": hardware(args.device), "repeats": args.repeats,
-                                         "copy_gbs": copy_gbs, "rows": table}, indent=1))
+                                         "hardware": hardware(args.device), "repeats": args.repeats, "rows": table},
+                                        indent=1))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def test_last_step_bytes_are_what_one_token_reads(tied):
     only, unless tied, when it is the output layer too) and a cache's K and V of T slots, counted here
     from a built model and a real cache; last_gbs divides it by the last step's time. Guards: counting
     a tied embedding twice or an untied one whole, pricing the cache at T - 1 slots or fp32 bytes for
-    bf16, or dividing by the whole transfer's time."""
+    bf16, or dividing by the whole transfer's time or by the medians' difference (last_step_s)."""
     cfg, T = tiny_config(n_layers=3, dim=96, tie_embeddings=tied), 16
     model = kvt.build_model(cfg, dtype=torch.bfloat16)
     _, cache = model(token_ids([T], cfg.vocab_size, "cpu"))
@@ -71,18 +71,31 @@ def test_last_step_bytes_are_what_one_token_reads(tied):
     embedding = 0 if tied else model.model.embed_tokens.weight.nbytes
     want = weights - embedding + sum(k.nbytes + v.nbytes for k, v in zip(cache.keys, cache.values))
     assert B.last_step_bytes(cfg, T, 2) == want
-    fwd, map_s, last = random_mapper(SMALL, cfg, k=2), 0.3, 0.02
-    row = B.rows({"s": {T: B.Timing([1.0])}, "l": {T: B.Timing([10.0])}}, {("s", "l"): {T: B.Timing([map_s + last])}},
-                 {("s", "l"): fwd}, "cpu", mapping={("s", "l"): {T: B.Timing([map_s])}}, itemsize={("s", "l"): 2})[0]
-    assert row["last_gbs"] == pytest.approx(want / last / 1e9)
+    fwd, prefill = random_mapper(SMALL, cfg, k=2), B.Timing([10.0, 10.0, 10.0])
+    transfer, mapping = B.Timing([0.32, 0.5, 0.4]), B.Timing([0.3, 0.3, 0.38])  # last steps 0.02, 0.2, 0.02
+    row = B.rows({"s": {T: prefill}, "l": {T: prefill}}, {("s", "l"): {T: transfer}}, {("s", "l"): fwd}, "cpu",
+                 mapping={("s", "l"): {T: mapping}}, itemsize={("s", "l"): 2})[0]
+    assert row["last_gbs"] == pytest.approx(want / 0.02 / 1e9)
 
 
-def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
-    """A copy of 8 MiB that takes one second moves 16 MiB: what it read and what it wrote, as the last
-    step's rate counts every byte it reads. Guards: counting one side of the copy, or float32 elements
-    as bytes."""
-    monkeypatch.setattr(B, "median_time", lambda fn, device, repeats: 1.0)
-    assert B.copy_bandwidth("cpu", mib=8) == 2 * 8 * 2**20 / 1e9
+def test_the_last_step_is_timed_round_by_round():
+    """last_step_s takes each round's transfer minus that round's map: transfers 1.0, 2.0, 1.5 and maps
+    0.9, 1.1, 1.4 give steps 0.1, 0.9, 0.1, median 0.1, where the difference of the medians (1.5 - 1.1)
+    and pairs of sorted runs (0.1, 0.4, 0.6) both give 0.4. Guards: either of those."""
+    assert B.last_step_s(B.Timing([1.0, 2.0, 1.5]), B.Timing([0.9, 1.1, 1.4])) == pytest.approx(0.1)
+
+
+def test_copy_rate_counts_bytes_read_and_written():
+    """copier's copy of 8 MiB copies and moves 16 MiB, what it reads and what it writes, and a row's
+    copy_gbs divides that by the copy's time taken in turn with the transfer, as last_gbs counts every
+    byte the last step reads. Guards: counting one side of the copy, float32 elements as bytes, or
+    dividing by the transfer's time."""
+    copy, moved = B.copier("cpu", mib=8)
+    assert moved == 2 * 8 * 2**20 and copy().eq(1).all()
+    fwd, n = random_mapper(SMALL, LARGE, k=2), 16
+    row = B.rows({"s": {n: B.Timing([1.0])}, "l": {n: B.Timing([10.0])}}, {("s", "l"): {n: B.Timing([0.5])}},
+                 {("s", "l"): fwd}, "cpu", copies={("s", "l"): {n: (B.Timing([0.25]), moved)}})[0]
+    assert row["copy_gbs"] == pytest.approx(moved / 0.25 / 1e9)
 
 
 def test_the_timed_recompute_is_a_handoff_with_that_budget():
