@@ -171,8 +171,8 @@ def diagnose(source, target, mapper, ids, cuts=4):
     return d
 
 
-# The gate's default thresholds, fitted to every pair measured with kvt (README, "The gate, validated
-# across pairs": `python -m kvt.figures gate runs/*/results.json`, 17 runs): the KL limit with the most
+# The gate's default thresholds, fitted to every pair measured with kvt (docs/real-weights.md, "The
+# gate, validated across pairs": `python -m kvt.figures gate runs/*/results.json`, 17 runs): the KL limit with the most
 # agreements with "kept 90% of the target's accuracy" (15 of 17), rounded up to 0.15 inside the gap it
 # falls in (0.149 to 0.219); any cosine floor up to 0.886 agrees as often, and the tightest of them keeps
 # the paper's diagnostic in the gate. Few pairs, most of them toys, and a leave-one-out check calls 12

@@ -106,7 +106,7 @@ def parse_args(argv=None):
     ap.add_argument("--recompute-by", choices=["attention", "suffix"], default="attention",
                     help="which tokens --recompute-frac takes: the most attended (default) or the last ones")
     ap.add_argument("--min-attn-cos", type=float, default=MIN_ATTN_COS, help="gate: mean attention-output cosine "
-                    f"(default {MIN_ATTN_COS}, from the README's gate evidence)")
+                    f"(default {MIN_ATTN_COS}, from the gate evidence in docs/real-weights.md)")
     ap.add_argument("--max-kl", type=float, default=MAX_KL, help=f"gate: next-token KL in nats (default {MAX_KL})")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--devices", help="split both models by layers over these, e.g. cuda:0,cuda:1 (under "

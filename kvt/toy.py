@@ -219,7 +219,7 @@ def train_tokenizer(texts):
 
 # toy-s is trained from scratch; each larger member is grown from the one before it (grow) and trained
 # on, as a family that shares its lineage. Trained from scratch, 3- and 4-layer members had not learned
-# recall within 2,100-2,800 steps, and separately trained members do not map onto each other (README).
+# recall within 2,100-2,800 steps, and separately trained members do not map onto each other (docs/measurements.md).
 FAMILY = {  # name: (dim C, layers L, ffn_dim, grown from)
     "toy-s": (64, 2, 192, None),
     "toy-m": (96, 2, 288, "toy-s"),

@@ -1,4 +1,4 @@
-"""plan.py: the memory plan equals the closed-form counts (README, "Past one device"), the models' real
+"""plan.py: the memory plan equals the closed-form counts (docs/scale.md), the models' real
 parameter counts and model.place's split, and a plan that does not fit says what would."""
 import pytest
 import torch
@@ -16,7 +16,7 @@ PAIRS = [("qwen3-14b", "qwen3-32b"), ("llama3.1-8b", "llama3.1-70b")]
 
 
 def closed_form(src, tgt, scope, k=8, T=32768, N=1024, group=None):
-    """The formula of the README's memory plan on one device, bf16 weights, float64 statistics, batch 1;
+    """The formula of the memory plan in docs/scale.md on one device, bf16 weights, float64 statistics, batch 1;
     layer scope's second pass in groups of `group` target layers. Returns {name: bytes} and the total a
     device needs: weights + the largest phase."""
     def weights(c):  # embedding + lm_head (untied here), final norm, layers (Qwen3: + q/k norms)
