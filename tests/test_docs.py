@@ -1,6 +1,6 @@
 """README.md and docs/*.md stay true to the repository: every relative link leads to a file (and its
-#anchor to a heading), every repository path they name exists, and every command in their ```bash
-blocks is accepted by kvt's own argument parsers, parsed without running anything.
+#anchor to a heading), every repository path they name exists (tutorial.md's too), and every command
+in their ```bash blocks is accepted by kvt's own argument parsers, parsed without running anything.
 
 What counts as a path: a whitespace-separated word inside `backticks` or a ```bash block whose first
 component is one of REPO_DIRS (`kvt/mapper.py`, `tests/test_x.py`, `docs/x.md`, `weights/toy-s`).
@@ -24,6 +24,7 @@ from kvt.cli import COMMANDS as KVT_COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINKED = [*DOCS, ROOT / "tutorial.md"]  # whose links and paths are checked too
 README_LIMIT = 15_000  # characters: README is the front door; tables and discussions go to docs/
 
 REPO_DIRS = ("kvt", "tests", "docs", "weights", "runs", ".ci")
@@ -78,7 +79,7 @@ def repo_paths(words):
     """The words that name repository paths, cut at a <placeholder>, trailing punctuation dropped."""
     out = []
     for word in words:
-        word = word.split("=")[-1].strip("(),;:'\"")
+        word = word.split("=")[-1].split("::")[0].strip("(),;:'\"")  # tests/test_x.py::test_y names a file
         if "/" in word and word.split("/")[0] in REPO_DIRS:
             out.append(word.split("<")[0])
     return out
@@ -176,14 +177,14 @@ def test_readme_is_a_front_door():
     assert n <= README_LIMIT, f"README.md has {n} characters (limit {README_LIMIT}): move detail to docs/"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+@pytest.mark.parametrize("doc", LINKED, ids=lambda d: d.name)
 def test_links_lead_somewhere(doc):
     """A link to a moved or renamed file, or to a heading that was reworded, fails here."""
     bad = [t for t, f, a in links(doc) if not f.exists() or (a and f.suffix == ".md" and a not in anchors(f))]
     assert not bad, f"{doc.name}: broken links {bad}"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+@pytest.mark.parametrize("doc", LINKED, ids=lambda d: d.name)
 def test_named_paths_exist(doc):
     """A file named in `backticks` or a command that was renamed or deleted fails here."""
     assert not missing_paths(doc), f"{doc.name} names paths that do not exist: {missing_paths(doc)}"
