@@ -97,7 +97,8 @@ def default_data_dir():
 @dataclass
 class Item:
     """One prompt, read by its kind (see the module docstring for which fields each kind uses)."""
-    id: str                # unique within its task: records are keyed by (task, condition, id)
+    id: str                # unique within its task: records are keyed by (task, condition, id) and what
+                           # was scored (pipeline.item_key), so a changed item is scored again
     context: str           # everything before the answer, few-shot examples included (rolling: the prefix)
     gold: object = None    # choices: the right index; generation: the answer text
     choices: list = None   # multiple_choice: continuations without the leading space (the harness's
@@ -424,6 +425,10 @@ def check_item(task, item):
     if task.kind in ("multiple_choice", "multiple_input"):
         if not item.choices or not isinstance(item.gold, int) or not 0 <= item.gold < len(item.choices):
             refuse("needs choices and gold, the index of the right one")
+        bad = [i for i, c in enumerate(item.choices) if not isinstance(c, str) or not c.strip()]
+        if bad:
+            refuse(f"choice {bad[0]} is {item.choices[bad[0]]!r}; every choice is a non-empty string (write the "
+                   "data again, or fix the task's loader)")
         if isinstance(item.floor, list) and len(item.floor) != len(item.choices):
             refuse(f"{len(item.floor)} floors for {len(item.choices)} choices")
     if task.kind in ("multiple_input", "loglikelihood_rolling") and not item.continuation:

@@ -369,3 +369,102 @@ def test_load_model_takes_dtype_names_and_refuses_others(tiny_pair):
     assert next(kvt.load_model(tiny_pair / "source", dtype="bfloat16").parameters()).dtype == torch.bfloat16
     with pytest.raises(KvtError, match="'float8' is not one kvt runs models in; use one of float32"):
         kvt.load_model(tiny_pair / "source", dtype="float8")
+
+
+# ---- records are keyed by what they scored; the adversarial pass's silent cases ----------------------------
+
+def arc_folder(world, name, change=lambda row: row, n=5):
+    """A data folder of the first n ARC-Easy rows, each row passed through change(row)."""
+    folder = world["root"] / name
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "arc_easy").mkdir(parents=True)
+    rows = [change(json.loads(r)) for r in (SHARED / "data" / "arc_easy" / "test.jsonl").read_text().splitlines()[:n]]
+    (folder / "arc_easy" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def calib_text(world):
+    """A calibration text for runs of real tasks on the tiny pair (which otherwise read DATA/calib)."""
+    path = world["root"] / "calib.jsonl"
+    if not path.exists():
+        from kvt import toy
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in toy.corpus(200, seed=99)))
+    return str(path)
+
+
+def next_label(row):
+    labels = row["choices"]["label"]
+    return {**row, "answerKey": labels[(labels.index(row["answerKey"]) + 1) % len(labels)]}
+
+
+def test_a_rerun_on_changed_data_scores_the_changed_items_again(world):
+    """Guards: records keyed by (task, condition, item id) alone, so a rerun into the same --out on data
+    whose answer keys moved under the same ids reported the old scores (acc 40% where a fresh --out
+    gives 0%)."""
+    a, b = arc_folder(world, "arc_a"), arc_folder(world, "arc_b", next_label)
+    out = world["root"] / "arc_run"
+    shutil.rmtree(out, ignore_errors=True)
+    arc = ["--tasks", "arc_easy", "--limit", "5", "--calib", calib_text(world)]
+    first = run.main(argv(world, *arc, "--data-dir", str(a), out=out))["tasks"]["arc_easy"]
+    again = run.main(argv(world, *arc, "--data-dir", str(b), out=out))["tasks"]["arc_easy"]
+    fresh = run.main(argv(world, *arc, "--data-dir", str(b), out=world["root"] / "arc_fresh"))["tasks"]["arc_easy"]
+    for cond in ("target", "source", "floor", "transfer"):
+        assert again[cond] == fresh[cond], (cond, again[cond], fresh[cond])
+    assert first["target"]["acc"] != fresh["target"]["acc"] or first["target"]["acc_norm"] != fresh["target"]["acc_norm"]
+    assert run.main(argv(world, *arc, "--data-dir", str(a), out=out))["tasks"]["arc_easy"] == first  # A again: reused
+
+
+TWO_CHOICES = '''
+from kvt.tasks import Item, Task
+GOLD = {gold}
+task = Task("mine", load=lambda: [Item(str(i), f"Question {{i}}: which one?", GOLD, ["yes", "no"], "Answer:") for i in range(5)])
+'''
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """A copy of the task registry for one test: the tasks its task files register are gone after it."""
+    from kvt import tasks
+    monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
+    return tasks.TASKS
+
+
+def test_a_task_file_whose_gold_changed_is_scored_again(world, registry):
+    """Guards: a task file's gold changed under the same item ids, and the rerun into the same --out kept
+    the old scores. Two choices, gold flipped: every item's acc must flip, so acc becomes 1 - acc."""
+    out = world["root"] / "gold_run"
+    shutil.rmtree(out, ignore_errors=True)
+    f = world["root"] / "mine.py"
+    accs = []
+    for gold in (0, 1):
+        f.write_text(TWO_CHOICES.format(gold=gold))
+        accs.append(run.main(argv(world, "--task-file", str(f), "--tasks", "mine", "--calib", calib_text(world),
+                                  out=out))["tasks"]["mine"])
+    for cond in ("target", "source", "floor", "transfer"):
+        assert accs[1][cond]["acc"] == pytest.approx(1 - accs[0][cond]["acc"]), cond
+
+
+def test_empty_choices_are_refused(world):
+    """Guards: rows whose choices are all "" reused the old scores on a rerun, and on a fresh --out
+    ended in a ZeroDivisionError in acc_norm (divided by the choice's length)."""
+    empty = arc_folder(world, "arc_empty", lambda r: {**r, "choices": {**r["choices"], "text": [""] * 4}})
+    with pytest.raises(KvtError, match=r"choice 0 is ''; every choice is a non-empty string"):
+        run.main(argv(world, "--tasks", "arc_easy", "--data-dir", str(empty), "--calib", calib_text(world),
+                      out=world["root"] / "empty_run"))
+    assert not (world["root"] / "empty_run").exists()
+
+
+def test_records_of_an_older_kvt_are_refused(world):
+    """Guards: records of the older format (keyed by item id alone) read as if they held this data's
+    scores. They are refused with what to do, and the folder is left as it was."""
+    folder = run_folder_copy(world, "old_records")
+    records = the(folder, "records-*")
+    lines = records.read_text().splitlines()
+    header = json.loads(lines[0])
+    old = [json.dumps({**header, "format": "kvt-records-2"})] + [
+        json.dumps({k: v for k, v in json.loads(line).items() if k != "key"}) for line in lines[1:]]
+    (folder / records.name.replace(".jsonl", "x.jsonl")).write_text("\n".join(old) + "\n")
+    before = snapshot(folder)
+    with pytest.raises(KvtError, match=r"records of an older kvt \(kvt-records-2\).*delete it to evaluate again"):
+        run.main(argv(world, out=folder))
+    assert snapshot(folder) == before
