@@ -272,7 +272,10 @@ def read_records(path, header):
 def open_records(path, header):
     """Append mode, with the header as the first line of a new file."""
     new = not path.exists() or path.stat().st_size == 0
-    f = open(path, "a")
+    try:
+        f = open(path, "a")
+    except OSError as e:
+        raise KvtError(f"cannot write to {path} ({e.strerror}); make it writable, or choose another --out")
     if new:
         f.write(json.dumps(header) + "\n")
         f.flush()
@@ -435,9 +438,20 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     args.calib_seqs = (200 if is_toy else 500) if args.calib_seqs is None else args.calib_seqs
     args.calib_len = (256 if is_toy else 1024) if args.calib_len is None else args.calib_len
     args.limit = (200 if is_toy else 500) if args.limit is None else args.limit
+    origin = {}  # task name -> the task file that defined it
     for f in args.task_file:  # the user's tasks, registered before --tasks is read
-        print(f"{f}: tasks {', '.join(tasks.load_task_file(f))}")
+        names = tasks.load_task_file(f)
+        twice = [n for n in names if n in origin]
+        if twice:
+            raise KvtError(f"task {twice[0]!r} is defined in both {origin[twice[0]]} and {f}; give each its own name")
+        origin.update(dict.fromkeys(names, f))
+        print(f"{f}: tasks {', '.join(names)}")
     task_names = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
+    limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
+    for name in limits:
+        if name not in task_names:
+            raise KvtError(f"--task-limit {name}={limits[name]}: {name!r} is not a task of this run "
+                           f"({', '.join(task_names)}); check its name")
     check_devices(args.devices.split(",") if args.devices else [args.device])
     devices = dist.init(args.devices.split(",") if args.devices else [args.device])
     args.device = devices[0]
@@ -450,7 +464,6 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     check_same_tokenizer(src_tok, tok)
     lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
     check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
-    limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
     items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
     calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text)
@@ -466,6 +479,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise KvtError(f"cannot write into the output folder {out} (permission denied); choose another --out")
     source = kvt.load_model(src_dir, dtype, devices=devices)
     target = kvt.load_model(tgt_dir, dtype, devices=devices)
     print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")

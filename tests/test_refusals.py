@@ -468,3 +468,108 @@ def test_records_of_an_older_kvt_are_refused(world):
     with pytest.raises(KvtError, match=r"records of an older kvt \(kvt-records-2\).*delete it to evaluate again"):
         run.main(argv(world, out=folder))
     assert snapshot(folder) == before
+
+
+HEAD = "import sys\nfrom kvt.tasks import Item, Task, register\n"
+MC = "Item(str(i), 'Question: which?', 0, ['yes', 'no'], 'Answer:')"
+GEN = "lambda: [Item('1', 'Q: which?\\nA:', 'yes', floor='A:', until=('\\n',))], 'generate_until', max_new_tokens=2"
+# (id, the task file's text after HEAD, words the message must hold): each a traceback or a silent run before
+TASK_FILES = [
+    ("syntax error", "def (:\n", ["line 3", "fix the file"]),
+    ("missing import", "import no_such_module_kvt\n", ["line 3", "ModuleNotFoundError", "install what it imports"]),
+    ("raises at import", "x = 1 / 0\n", ["line 3", "ZeroDivisionError", "fix the file"]),
+    ("sys.exit", "sys.exit(0)\n", ["called sys.exit(0)", "defines tasks and returns"]),
+    ("choices not text", "T = Task('bad', lambda: [Item('1', 'Q', 0, [1, 2], 'A')])\n", ["choice 0 is 1", "non-empty string"]),
+    ("context None", "T = Task('bad', lambda: [Item('1', None, 0, ['a', 'b'], 'A')])\n", ["its context is None", "text"]),
+    ("loader raises", "def load():\n    raise RuntimeError('boom')\nT = Task('bad', load)\n",
+     ["its loader raised RuntimeError: boom", "fix the loader"]),
+    ("loader KeyError", "T = Task('bad', lambda: [{}['question']])\n", ["its loader raised KeyError", "fix the loader"]),
+    ("loader returns None", "T = Task('bad', lambda: None)\n", ["its loader returned NoneType", "a list of Items"]),
+    ("loader returns []", "T = Task('bad', lambda: [])\n", ["bad: no items", "its loader returned []"]),
+    ("two tasks of one name", f"A = Task('bad', lambda: [{MC} for i in range(2)])\nB = Task('bad', lambda: [])\n",
+     ["two tasks are named 'bad'", "its own name"]),
+    ("registered twice", f"register(Task('bad', lambda: [{MC} for i in range(2)]))\nregister(Task('bad', lambda: []))\n",
+     ["two tasks are named 'bad'", "its own name"]),
+    ("score raises", f"T = Task('bad', {GEN}, score=lambda out, gold: {{'em': 1 / 0}})\n",
+     ["its score function raised ZeroDivisionError", "fix it"]),
+    ("score not a number", f"T = Task('bad', {GEN}, score=lambda out, gold: {{'em': 'yes'}})\n",
+     ["returned {'em': 'yes'}", "a number"]),
+]
+
+
+@pytest.mark.parametrize("case", TASK_FILES, ids=[c[0] for c in TASK_FILES])
+def test_a_bad_task_file_is_one_line(world, registry, case):
+    """Guards: a task file's own errors (syntax, imports, a loader or score raising or returning the wrong
+    thing, sys.exit) ending in a traceback, an empty table with exit 0, or a record that crashes the next
+    run; a loader's KeyError reported as "no data files"; two tasks of one name where the last one won."""
+    _, text, words = case
+    f = world["root"] / "bad_tasks.py"
+    f.write_text(HEAD + text)
+    with pytest.raises(KvtError) as e:
+        run.main(argv(world, "--task-file", str(f), "--tasks", "bad", "--calib", calib_text(world),
+                      out=world["root"] / "bad_task_run"))
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert "write the files again" not in msg  # the loader, not data, is at fault
+    assert not list((world["root"] / "bad_task_run").glob("records-*")) or "score" in case[0]
+
+
+def test_one_task_name_in_two_task_files_is_refused(world, registry):
+    """Guards: the same task name in two --task-file, where the last one silently won."""
+    for name in ("one.py", "two.py"):
+        (world["root"] / name).write_text(HEAD + f"T = Task('same', lambda: [{MC} for i in range(2)])\n")
+    with pytest.raises(KvtError, match=r"task 'same' is defined in both .*one.py and .*two.py; give each its own name"):
+        run.main(argv(world, "--task-file", str(world["root"] / "one.py"), "--task-file", str(world["root"] / "two.py"),
+                      "--tasks", "same", out=world["root"] / "same_run"))
+
+
+def spoil_rows(how):
+    def change(folder):
+        path = folder / "arc_easy" / "test.jsonl"
+        if how == "empty":
+            path.write_text("")
+        elif how == "null":
+            rows = path.read_text().splitlines()
+            path.write_text("\n".join(rows[:1] + [json.dumps({**json.loads(rows[1]), "question": None})] + rows[2:]))
+        elif how == "latin-1":
+            path.write_bytes(path.read_bytes().replace(b"Which", b"Wh\xefch", 1))
+        elif how == "folder":
+            path.unlink()
+            path.mkdir()
+    return change
+
+
+@pytest.mark.parametrize("how,words", [
+    ("empty", ["arc_easy: no items", "hold no rows"]),
+    ("null", ["test.jsonl, line 2: field 'question' is null", "drop the line"]),
+    ("latin-1", ["is not UTF-8", "write the file again as UTF-8"]),
+    ("folder", ["test.jsonl is a folder", "to_json"]),
+])
+def test_bad_data_files_are_one_line(world, how, words):
+    """Guards: an empty data file (exit 0, an empty table), a null field (scored as the text "None"), a
+    Latin-1 byte (UnicodeDecodeError) and a folder where the file should be (IsADirectoryError)."""
+    folder = arc_folder(world, f"data_{how}")
+    spoil_rows(how)(folder)
+    with pytest.raises(KvtError) as e:
+        run.main(argv(world, "--tasks", "arc_easy", "--data-dir", str(folder), out=world["root"] / "data_run"))
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert not (world["root"] / "data_run").exists()
+
+
+def test_a_misspelled_task_limit_is_refused(world):
+    """Guards: --task-limit toy_recal=1 (no such task in the run) silently ignored."""
+    with pytest.raises(KvtError, match=r"--task-limit toy_recal=1: 'toy_recal' is not a task of this run \(toy_recall\)"):
+        run.main(argv(world, "--task-limit", "toy_recal=1"))
+
+
+def test_an_output_folder_kvt_cannot_write_is_refused(world, monkeypatch, tmp_path):
+    """Guards: a read-only --out ending in a PermissionError traceback after the models load (or, for a
+    finished run, when the records file opens for append). Root writes anywhere, so the check is faked."""
+    import os
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    with pytest.raises(KvtError, match="cannot write into the output folder .*; choose another --out"):
+        run.main(argv(world, out=tmp_path))
+    with pytest.raises(KvtError, match="cannot write to .*make it writable, or choose another --out"):
+        run.open_records(tmp_path, {})
