@@ -136,9 +136,16 @@ def score_generation(cond, tok, item, task, max_new_tokens=None):
     context = item.floor if cond.floor else item.context
     lps = []
     output = generate_until(cond, tok, context, item.until, max_new_tokens or task.max_new_tokens, lps)
-    scores = task.score(output, item.gold)
+    try:
+        scores = task.score(output, item.gold)
+    except Exception as e:  # the user's score function: one line, before a record is written
+        raise KvtError(f"{task.name}: its score function raised {type(e).__name__}: {' '.join(str(e).split())} "
+                       f"on output {output[:60]!r} and gold {item.gold!r}; fix it") from e
     if not isinstance(scores, dict) or not set(task.metrics) <= set(scores):
         raise KvtError(f"{task.name}: its score function returned {scores!r}, which lacks its metrics {task.metrics}")
+    if not all(isinstance(scores[m], (int, float)) for m in task.metrics):
+        raise KvtError(f"{task.name}: its score function returned {scores!r}; each metric's value is a number "
+                       "(1.0 right, 0.0 wrong)")
     return {"gold": item.gold, "output": output, **scores, "logprob": sum(lps) / max(1, len(lps))}
 
 

@@ -29,6 +29,7 @@ Steps, each a call into one kvt stage:
 A problem the user can fix is one line on stderr and exit code 2.
 """
 import argparse
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -60,7 +61,7 @@ from kvt.weights import fingerprint
 TOY_TASKS = "toy_recall,toy_recall_gen,toy_copy,toy_count"
 REAL_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k"
 REAL_CALIB = ("calib/wikitext-2", "calib/gutenberg")    # under the data folder: about 3.7M tokens of prose
-RECORDS_FORMAT = "kvt-records-2"                         # 2: keyed by item id, seeded item samples
+RECORDS_FORMAT = "kvt-records-3"                         # 3: keyed by what was scored (item_key)
 MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
 
 
@@ -271,30 +272,64 @@ def read_records(path, header):
 def open_records(path, header):
     """Append mode, with the header as the first line of a new file."""
     new = not path.exists() or path.stat().st_size == 0
-    f = open(path, "a")
+    try:
+        f = open(path, "a")
+    except OSError as e:
+        raise KvtError(f"cannot write to {path} ({e.strerror}); make it writable, or choose another --out")
     if new:
         f.write(json.dumps(header) + "\n")
         f.flush()
     return f
 
 
+def item_key(task, item):
+    """What a record scored, as a short hash: the item's fields that reach a model or a score (context,
+    choices or continuation, gold, floor, stop strings; a conversation's story, questions and answers) and
+    the task's settings that shape one (kind, metrics, longest answer, score function). A record is reused
+    only under the same key, so an item whose data changed under the same id is scored again."""
+    t = tasks.get(task)
+    fields = {k: v for k, v in dataclasses.asdict(item).items() if k != "stratum"}
+    score = t.score and f"{getattr(t.score, '__module__', '')}.{getattr(t.score, '__qualname__', type(t.score).__name__)}"
+    return hashlib.sha256(json.dumps({"item": fields, "kind": t.kind, "metrics": t.metrics, "score": score,
+                                      "max_new_tokens": t.max_new_tokens}, sort_keys=True, default=repr)
+                          .encode()).hexdigest()[:16]
+
+
+def check_old_records(path, header):
+    """Refuse the records of an older kvt beside this run's, keyed by item id alone: they may hold scores of
+    items that have changed since, and this run would not know which."""
+    for f in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.jsonl"):
+        with open(f, "rb") as fh:
+            first = fh.readline()
+        try:
+            fmt = json.loads(first).get("format")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(fmt, str) and fmt.startswith("kvt-records-") and fmt != RECORDS_FORMAT:
+            raise KvtError(f"{f} holds records of an older kvt ({fmt}), keyed by item id alone, which cannot tell "
+                           "whether an item changed since; delete it to evaluate again, or use another --out")
+
+
 def run_tasks(args, items, tok, conds, path, header):
     """Evaluate every task's items under conds, appending each record to a jsonl as it lands, so a
-    stopped run resumes. Records are keyed by item id. Under torchrun each rank takes a share of the items
-    still to do and writes its own file. Returns the records of exactly these items."""
-    done = {(r["task"], r["condition"], r["id"]) for f in record_files(path) for r in read_records(f, header)}
+    stopped run resumes. Records are keyed by task, condition, item id and item_key (what was scored).
+    Under torchrun each rank takes a share of the items still to do and writes its own file. Returns the
+    records of exactly these items."""
+    check_old_records(path, header)
+    keys = {(task, it.id): item_key(task, it) for task, its in items.items() for it in its}
+    done = {(r["task"], r["condition"], r["id"], r.get("key")) for f in record_files(path) for r in read_records(f, header)}
     mine = path if dist.world() == 1 else path.with_name(f"{path.stem}.rank{dist.rank()}.jsonl")
     with open_records(mine, header) as f:
         for task, its in items.items():
-            todo = [it.id for it in its if any((task, c, it.id) not in done for c in conds)]
+            todo = [it.id for it in its if any((task, c, it.id, keys[task, it.id]) not in done for c in conds)]
             mine_ids = set(dist.shard(todo))
-            skip = {(c, it.id) for it in its for c in conds if it.id not in mine_ids or (task, c, it.id) in done}
+            skip = {(c, it.id) for it in its for c in conds
+                    if it.id not in mine_ids or (task, c, it.id, keys[task, it.id]) in done}
             for rec in evals.evaluate(task, its, tok, conds, done=skip, progress=dist.rank() == 0):
-                f.write(json.dumps(rec) + "\n")
+                f.write(json.dumps({**rec, "key": keys[task, rec["id"]]}) + "\n")
                 f.flush()
     dist.barrier()
-    wanted = {(task, it.id) for task, its in items.items() for it in its}
-    return [r for f in record_files(path) for r in read_records(f, header) if (r["task"], r["id"]) in wanted]
+    return [r for f in record_files(path) for r in read_records(f, header) if keys.get((r["task"], r["id"])) == r.get("key")]
 
 
 # ---- report ----------------------------------------------------------------------------------------------
@@ -403,9 +438,20 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     args.calib_seqs = (200 if is_toy else 500) if args.calib_seqs is None else args.calib_seqs
     args.calib_len = (256 if is_toy else 1024) if args.calib_len is None else args.calib_len
     args.limit = (200 if is_toy else 500) if args.limit is None else args.limit
+    origin = {}  # task name -> the task file that defined it
     for f in args.task_file:  # the user's tasks, registered before --tasks is read
-        print(f"{f}: tasks {', '.join(tasks.load_task_file(f))}")
+        names = tasks.load_task_file(f)
+        twice = [n for n in names if n in origin]
+        if twice:
+            raise KvtError(f"task {twice[0]!r} is defined in both {origin[twice[0]]} and {f}; give each its own name")
+        origin.update(dict.fromkeys(names, f))
+        print(f"{f}: tasks {', '.join(names)}")
     task_names = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
+    limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
+    for name in limits:
+        if name not in task_names:
+            raise KvtError(f"--task-limit {name}={limits[name]}: {name!r} is not a task of this run "
+                           f"({', '.join(task_names)}); check its name")
     check_devices(args.devices.split(",") if args.devices else [args.device])
     devices = dist.init(args.devices.split(",") if args.devices else [args.device])
     args.device = devices[0]
@@ -418,7 +464,6 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     check_same_tokenizer(src_tok, tok)
     lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
     check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
-    limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
     items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
     calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text)
@@ -434,6 +479,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise KvtError(f"cannot write into the output folder {out} (permission denied); choose another --out")
     source = kvt.load_model(src_dir, dtype, devices=devices)
     target = kvt.load_model(tgt_dir, dtype, devices=devices)
     print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")

@@ -40,6 +40,7 @@ import os
 import random
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -69,23 +70,34 @@ class Source:
     def read(self, data_dir):
         """The rows of data_dir/file (jsonl), each checked for the fields."""
         path = Path(data_dir) / self.file
+        if path.is_dir():
+            raise KvtError(f"{path} is a folder; the task reads a jsonl file there, written with "
+                           f"`datasets.{self.load_dataset()}.to_json('{path}')`")
         if not path.exists():
             raise KvtError(f"missing {path}: write it with `datasets.{self.load_dataset()}.to_json('{path}')`, "
                            f"or point --data-dir (or KVT_DATA) at a folder that has it, e.g. ../shared/data")
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise KvtError(f"{path}, line {i}: not valid JSON ({e.msg}); fix the line or write the file again")
-                lacks = [k for k in self.fields if not isinstance(row, dict) or k not in row]
-                if lacks:
-                    raise KvtError(f"{path}, line {i}: no field {', '.join(map(repr, lacks))}; write the file again "
-                                   f"with `datasets.{self.load_dataset()}.to_json(...)`")
-                rows.append(row)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise KvtError(f"{path}: byte {e.start} is not UTF-8 ({e.object[e.start:e.start + 1]!r}); write the file "
+                           "again as UTF-8")
+        for i, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise KvtError(f"{path}, line {i}: not valid JSON ({e.msg}); fix the line or write the file again")
+            lacks = [k for k in self.fields if not isinstance(row, dict) or k not in row]
+            if lacks:
+                raise KvtError(f"{path}, line {i}: no field {', '.join(map(repr, lacks))}; write the file again "
+                               f"with `datasets.{self.load_dataset()}.to_json(...)`")
+            null = [k for k in self.fields if row[k] is None]
+            if null:
+                raise KvtError(f"{path}, line {i}: field {null[0]!r} is null; write the file again with "
+                               f"`datasets.{self.load_dataset()}.to_json(...)`, or drop the line")
+            rows.append(row)
         return rows
 
 
@@ -97,7 +109,8 @@ def default_data_dir():
 @dataclass
 class Item:
     """One prompt, read by its kind (see the module docstring for which fields each kind uses)."""
-    id: str                # unique within its task: records are keyed by (task, condition, id)
+    id: str                # unique within its task: records are keyed by (task, condition, id) and what
+                           # was scored (pipeline.item_key), so a changed item is scored again
     context: str           # everything before the answer, few-shot examples included (rolling: the prefix)
     gold: object = None    # choices: the right index; generation: the answer text
     choices: list = None   # multiple_choice: continuations without the leading space (the harness's
@@ -166,11 +179,23 @@ class Task:
         """Every item, in file order: the loader on the rows of each source under data_dir."""
         rows = [s.read(data_dir) for s in self.sources]
         try:
-            return self.load(*rows, **options)
-        except (KeyError, ValueError, TypeError, IndexError, AttributeError) as e:  # a field of the wrong form
-            files = ", ".join(f"{s.file} (datasets.{s.load_dataset()})" for s in self.sources) or "no data files"
-            raise KvtError(f"{self.name}: its loader failed ({type(e).__name__}: {e}) on {files} in {data_dir}; "
+            items = self.load(*rows, **options)
+        except KvtError:
+            raise
+        except Exception as e:  # a field of the wrong form, or the loader's own bug
+            why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+            if not self.sources:
+                raise KvtError(f"{self.name}: its loader raised {why}; fix the loader (it reads no data files)") from e
+            files = ", ".join(f"{s.file} (datasets.{s.load_dataset()})" for s in self.sources)
+            raise KvtError(f"{self.name}: its loader failed ({why}) on {files} in {data_dir}; "
                            "write the files again from those data sets") from e
+        if not isinstance(items, (list, tuple)):
+            raise KvtError(f"{self.name}: its loader returned {type(items).__name__}; it returns a list of "
+                           f"{'Conversation' if self.kind == 'coqa' else 'Item'}s")
+        if not items:
+            where = f"its data files in {data_dir} hold no rows" if self.sources else "its loader returned []"
+            raise KvtError(f"{self.name}: no items ({where}); give it at least one")
+        return list(items)
 
 
 # ---------------------------------------------------------------------------------------- loaders
@@ -347,13 +372,20 @@ TASKS = {t.name: t for t in [  # name -> Task: the built-in tasks, then those a 
 BUILTIN = frozenset(TASKS)
 
 
+_loading = None  # while load_task_file imports a file: {name: Task} of the tasks it gave, to refuse a name twice
+
+
 def register(task):
     """Add a Task to the registry under its name, or replace a task registered before under that name (a
-    task file imported again); a built-in task's name is refused. Returns the task."""
+    task file imported again); a built-in task's name is refused, and so is one name given to two tasks of
+    one task file. Returns the task."""
     if not isinstance(task, Task):
         raise KvtError(f"register() takes a kvt.tasks.Task, not {type(task).__name__}")
     if task.name in BUILTIN and TASKS[task.name] is not task:
         raise KvtError(f"task {task.name!r} is built in; give your task another name")
+    if _loading is not None:
+        if _loading.setdefault(task.name, task) is not task:
+            raise KvtError(f"two tasks are named {task.name!r} in one task file; give each its own name")
     TASKS[task.name] = task
     return task
 
@@ -376,11 +408,28 @@ def load_task_file(path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # as an import does: dataclasses and pickling look the module up there
-    spec.loader.exec_module(module)  # the user's code: its own errors come with their traceback
-    defined = [t for t in vars(module).values() if isinstance(t, Task)]
-    for task in defined:
-        if TASKS.get(task.name) is not task:
-            register(task)
+    global _loading
+    _loading = {}
+    try:
+        spec.loader.exec_module(module)  # the user's code: its errors become one line naming the line
+        defined = [t for t in vars(module).values() if isinstance(t, Task)]
+        for task in defined:
+            if TASKS.get(task.name) is not task or _loading.get(task.name, task) is not task:
+                register(task)
+    except KvtError:
+        raise
+    except SystemExit as e:
+        raise KvtError(f"--task-file {path} called sys.exit({e.code!r}) while imported; a task file defines "
+                       "tasks and returns") from None
+    except SyntaxError as e:
+        raise KvtError(f"--task-file {path}, line {e.lineno}: {e.msg}; fix the file") from None
+    except Exception as e:
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+        raise KvtError(f"--task-file {path}{f', line {lines[-1]}' if lines else ''}: {type(e).__name__}: "
+                       f"{' '.join(str(e).split())}; "
+                       "fix the file (or install what it imports)") from None
+    finally:
+        _loading = None
     names = [n for n, t in TASKS.items() if before.get(n) is not t] + [t.name for t in defined if t.name not in BUILTIN]
     if not names:
         raise KvtError(f"--task-file {path} defines no task: call kvt.tasks.register(Task(...)) or define Task objects")
@@ -421,9 +470,15 @@ def check_item(task, item):
         raise KvtError(f"{task.name} item {getattr(item, 'id', item)!r}: {why}")
     if not isinstance(item, Conversation if task.kind == "coqa" else Item):
         refuse(f"a {task.kind} task's loader returns {'Conversation' if task.kind == 'coqa' else 'Item'}s")
+    if task.kind != "coqa" and not isinstance(item.context, str):
+        refuse(f"its context is {item.context!r}; a context is text (\"\" for none)")
     if task.kind in ("multiple_choice", "multiple_input"):
         if not item.choices or not isinstance(item.gold, int) or not 0 <= item.gold < len(item.choices):
             refuse("needs choices and gold, the index of the right one")
+        bad = [i for i, c in enumerate(item.choices) if not isinstance(c, str) or not c.strip()]
+        if bad:
+            refuse(f"choice {bad[0]} is {item.choices[bad[0]]!r}; every choice is a non-empty string (write the "
+                   "data again, or fix the task's loader)")
         if isinstance(item.floor, list) and len(item.floor) != len(item.choices):
             refuse(f"{len(item.floor)} floors for {len(item.choices)} choices")
     if task.kind in ("multiple_input", "loglikelihood_rolling") and not item.continuation:

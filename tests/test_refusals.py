@@ -369,3 +369,207 @@ def test_load_model_takes_dtype_names_and_refuses_others(tiny_pair):
     assert next(kvt.load_model(tiny_pair / "source", dtype="bfloat16").parameters()).dtype == torch.bfloat16
     with pytest.raises(KvtError, match="'float8' is not one kvt runs models in; use one of float32"):
         kvt.load_model(tiny_pair / "source", dtype="float8")
+
+
+# ---- records are keyed by what they scored; the adversarial pass's silent cases ----------------------------
+
+def arc_folder(world, name, change=lambda row: row, n=5):
+    """A data folder of the first n ARC-Easy rows, each row passed through change(row)."""
+    folder = world["root"] / name
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "arc_easy").mkdir(parents=True)
+    rows = [change(json.loads(r)) for r in (SHARED / "data" / "arc_easy" / "test.jsonl").read_text().splitlines()[:n]]
+    (folder / "arc_easy" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def calib_text(world):
+    """A calibration text for runs of real tasks on the tiny pair (which otherwise read DATA/calib)."""
+    path = world["root"] / "calib.jsonl"
+    if not path.exists():
+        from kvt import toy
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in toy.corpus(200, seed=99)))
+    return str(path)
+
+
+def next_label(row):
+    labels = row["choices"]["label"]
+    return {**row, "answerKey": labels[(labels.index(row["answerKey"]) + 1) % len(labels)]}
+
+
+def test_a_rerun_on_changed_data_scores_the_changed_items_again(world):
+    """Guards: records keyed by (task, condition, item id) alone, so a rerun into the same --out on data
+    whose answer keys moved under the same ids reported the old scores (acc 40% where a fresh --out
+    gives 0%)."""
+    a, b = arc_folder(world, "arc_a"), arc_folder(world, "arc_b", next_label)
+    out = world["root"] / "arc_run"
+    shutil.rmtree(out, ignore_errors=True)
+    arc = ["--tasks", "arc_easy", "--limit", "5", "--calib", calib_text(world)]
+    first = run.main(argv(world, *arc, "--data-dir", str(a), out=out))["tasks"]["arc_easy"]
+    again = run.main(argv(world, *arc, "--data-dir", str(b), out=out))["tasks"]["arc_easy"]
+    fresh = run.main(argv(world, *arc, "--data-dir", str(b), out=world["root"] / "arc_fresh"))["tasks"]["arc_easy"]
+    for cond in ("target", "source", "floor", "transfer"):
+        assert again[cond] == fresh[cond], (cond, again[cond], fresh[cond])
+    assert first["target"]["acc"] != fresh["target"]["acc"] or first["target"]["acc_norm"] != fresh["target"]["acc_norm"]
+    assert run.main(argv(world, *arc, "--data-dir", str(a), out=out))["tasks"]["arc_easy"] == first  # A again: reused
+
+
+TWO_CHOICES = '''
+from kvt.tasks import Item, Task
+GOLD = {gold}
+task = Task("mine", load=lambda: [Item(str(i), f"Question {{i}}: which one?", GOLD, ["yes", "no"], "Answer:") for i in range(5)])
+'''
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """A copy of the task registry for one test: the tasks its task files register are gone after it."""
+    from kvt import tasks
+    monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
+    return tasks.TASKS
+
+
+def test_a_task_file_whose_gold_changed_is_scored_again(world, registry):
+    """Guards: a task file's gold changed under the same item ids, and the rerun into the same --out kept
+    the old scores. Two choices, gold flipped: every item's acc must flip, so acc becomes 1 - acc."""
+    out = world["root"] / "gold_run"
+    shutil.rmtree(out, ignore_errors=True)
+    f = world["root"] / "mine.py"
+    accs = []
+    for gold in (0, 1):
+        f.write_text(TWO_CHOICES.format(gold=gold))
+        accs.append(run.main(argv(world, "--task-file", str(f), "--tasks", "mine", "--calib", calib_text(world),
+                                  out=out))["tasks"]["mine"])
+    for cond in ("target", "source", "floor", "transfer"):
+        assert accs[1][cond]["acc"] == pytest.approx(1 - accs[0][cond]["acc"]), cond
+
+
+def test_empty_choices_are_refused(world):
+    """Guards: rows whose choices are all "" reused the old scores on a rerun, and on a fresh --out
+    ended in a ZeroDivisionError in acc_norm (divided by the choice's length)."""
+    empty = arc_folder(world, "arc_empty", lambda r: {**r, "choices": {**r["choices"], "text": [""] * 4}})
+    with pytest.raises(KvtError, match=r"choice 0 is ''; every choice is a non-empty string"):
+        run.main(argv(world, "--tasks", "arc_easy", "--data-dir", str(empty), "--calib", calib_text(world),
+                      out=world["root"] / "empty_run"))
+    assert not (world["root"] / "empty_run").exists()
+
+
+def test_records_of_an_older_kvt_are_refused(world):
+    """Guards: records of the older format (keyed by item id alone) read as if they held this data's
+    scores. They are refused with what to do, and the folder is left as it was."""
+    folder = run_folder_copy(world, "old_records")
+    records = the(folder, "records-*")
+    lines = records.read_text().splitlines()
+    header = json.loads(lines[0])
+    old = [json.dumps({**header, "format": "kvt-records-2"})] + [
+        json.dumps({k: v for k, v in json.loads(line).items() if k != "key"}) for line in lines[1:]]
+    (folder / records.name.replace(".jsonl", "x.jsonl")).write_text("\n".join(old) + "\n")
+    before = snapshot(folder)
+    with pytest.raises(KvtError, match=r"records of an older kvt \(kvt-records-2\).*delete it to evaluate again"):
+        run.main(argv(world, out=folder))
+    assert snapshot(folder) == before
+
+
+HEAD = "import sys\nfrom kvt.tasks import Item, Task, register\n"
+MC = "Item(str(i), 'Question: which?', 0, ['yes', 'no'], 'Answer:')"
+GEN = "lambda: [Item('1', 'Q: which?\\nA:', 'yes', floor='A:', until=('\\n',))], 'generate_until', max_new_tokens=2"
+# (id, the task file's text after HEAD, words the message must hold): each a traceback or a silent run before
+TASK_FILES = [
+    ("syntax error", "def (:\n", ["line 3", "fix the file"]),
+    ("missing import", "import no_such_module_kvt\n", ["line 3", "ModuleNotFoundError", "install what it imports"]),
+    ("raises at import", "x = 1 / 0\n", ["line 3", "ZeroDivisionError", "fix the file"]),
+    ("sys.exit", "sys.exit(0)\n", ["called sys.exit(0)", "defines tasks and returns"]),
+    ("choices not text", "T = Task('bad', lambda: [Item('1', 'Q', 0, [1, 2], 'A')])\n", ["choice 0 is 1", "non-empty string"]),
+    ("context None", "T = Task('bad', lambda: [Item('1', None, 0, ['a', 'b'], 'A')])\n", ["its context is None", "text"]),
+    ("loader raises", "def load():\n    raise RuntimeError('boom')\nT = Task('bad', load)\n",
+     ["its loader raised RuntimeError: boom", "fix the loader"]),
+    ("loader KeyError", "T = Task('bad', lambda: [{}['question']])\n", ["its loader raised KeyError", "fix the loader"]),
+    ("loader returns None", "T = Task('bad', lambda: None)\n", ["its loader returned NoneType", "a list of Items"]),
+    ("loader returns []", "T = Task('bad', lambda: [])\n", ["bad: no items", "its loader returned []"]),
+    ("two tasks of one name", f"A = Task('bad', lambda: [{MC} for i in range(2)])\nB = Task('bad', lambda: [])\n",
+     ["two tasks are named 'bad'", "its own name"]),
+    ("registered twice", f"register(Task('bad', lambda: [{MC} for i in range(2)]))\nregister(Task('bad', lambda: []))\n",
+     ["two tasks are named 'bad'", "its own name"]),
+    ("score raises", f"T = Task('bad', {GEN}, score=lambda out, gold: {{'em': 1 / 0}})\n",
+     ["its score function raised ZeroDivisionError", "fix it"]),
+    ("score not a number", f"T = Task('bad', {GEN}, score=lambda out, gold: {{'em': 'yes'}})\n",
+     ["returned {'em': 'yes'}", "a number"]),
+]
+
+
+@pytest.mark.parametrize("case", TASK_FILES, ids=[c[0] for c in TASK_FILES])
+def test_a_bad_task_file_is_one_line(world, registry, case):
+    """Guards: a task file's own errors (syntax, imports, a loader or score raising or returning the wrong
+    thing, sys.exit) ending in a traceback, an empty table with exit 0, or a record that crashes the next
+    run; a loader's KeyError reported as "no data files"; two tasks of one name where the last one won."""
+    _, text, words = case
+    f = world["root"] / "bad_tasks.py"
+    f.write_text(HEAD + text)
+    with pytest.raises(KvtError) as e:
+        run.main(argv(world, "--task-file", str(f), "--tasks", "bad", "--calib", calib_text(world),
+                      out=world["root"] / "bad_task_run"))
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert "write the files again" not in msg  # the loader, not data, is at fault
+    assert not list((world["root"] / "bad_task_run").glob("records-*")) or "score" in case[0]
+
+
+def test_one_task_name_in_two_task_files_is_refused(world, registry):
+    """Guards: the same task name in two --task-file, where the last one silently won."""
+    for name in ("one.py", "two.py"):
+        (world["root"] / name).write_text(HEAD + f"T = Task('same', lambda: [{MC} for i in range(2)])\n")
+    with pytest.raises(KvtError, match=r"task 'same' is defined in both .*one.py and .*two.py; give each its own name"):
+        run.main(argv(world, "--task-file", str(world["root"] / "one.py"), "--task-file", str(world["root"] / "two.py"),
+                      "--tasks", "same", out=world["root"] / "same_run"))
+
+
+def spoil_rows(how):
+    def change(folder):
+        path = folder / "arc_easy" / "test.jsonl"
+        if how == "empty":
+            path.write_text("")
+        elif how == "null":
+            rows = path.read_text().splitlines()
+            path.write_text("\n".join(rows[:1] + [json.dumps({**json.loads(rows[1]), "question": None})] + rows[2:]))
+        elif how == "latin-1":
+            path.write_bytes(path.read_bytes().replace(b"Which", b"Wh\xefch", 1))
+        elif how == "folder":
+            path.unlink()
+            path.mkdir()
+    return change
+
+
+@pytest.mark.parametrize("how,words", [
+    ("empty", ["arc_easy: no items", "hold no rows"]),
+    ("null", ["test.jsonl, line 2: field 'question' is null", "drop the line"]),
+    ("latin-1", ["is not UTF-8", "write the file again as UTF-8"]),
+    ("folder", ["test.jsonl is a folder", "to_json"]),
+])
+def test_bad_data_files_are_one_line(world, how, words):
+    """Guards: an empty data file (exit 0, an empty table), a null field (scored as the text "None"), a
+    Latin-1 byte (UnicodeDecodeError) and a folder where the file should be (IsADirectoryError)."""
+    folder = arc_folder(world, f"data_{how}")
+    spoil_rows(how)(folder)
+    with pytest.raises(KvtError) as e:
+        run.main(argv(world, "--tasks", "arc_easy", "--data-dir", str(folder), out=world["root"] / "data_run"))
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert not (world["root"] / "data_run").exists()
+
+
+def test_a_misspelled_task_limit_is_refused(world):
+    """Guards: --task-limit toy_recal=1 (no such task in the run) silently ignored."""
+    with pytest.raises(KvtError, match=r"--task-limit toy_recal=1: 'toy_recal' is not a task of this run \(toy_recall\)"):
+        run.main(argv(world, "--task-limit", "toy_recal=1"))
+
+
+def test_an_output_folder_kvt_cannot_write_is_refused(world, monkeypatch, tmp_path):
+    """Guards: a read-only --out ending in a PermissionError traceback after the models load (or, for a
+    finished run, when the records file opens for append). Root writes anywhere, so the check is faked."""
+    import os
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    with pytest.raises(KvtError, match="cannot write into the output folder .*; choose another --out"):
+        run.main(argv(world, out=tmp_path))
+    with pytest.raises(KvtError, match="cannot write to .*make it writable, or choose another --out"):
+        run.open_records(tmp_path, {})
