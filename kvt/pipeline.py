@@ -45,7 +45,7 @@ import kvt
 from kvt import dist, evals, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.cache import keep_freed_memory
-from kvt.config import KvtError, check_matched_kv, find_weights, load_config, parse_pair
+from kvt.config import KvtError, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
@@ -191,7 +191,7 @@ def resolve(args):
     if args.source or args.target:
         if not (args.source and args.target):
             raise KvtError("give both --source and --target (or --pair)")
-        return args.source, args.target, args.source.name, args.target.name
+        return args.source, args.target, checkpoint_name(args.source), checkpoint_name(args.target)
     src, tgt = parse_pair(args.pair)
     return find_weights(src, args.weights), find_weights(tgt, args.weights), src, tgt
 
