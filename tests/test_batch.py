@@ -131,11 +131,9 @@ def test_qwen3_batches_equal_batch_one(qwen3_run, monkeypatch):
 def test_recompute_by_row_runs_one_item_at_a_time(toy_run):
     """A transfer that recomputes the first or the most attended slots picks them per row: evaluate gives it
     one item at a time (else the first slots of a padded row would be padding), the same records."""
-    tok, conds, _ = toy_run
-    transfer = conds["transfer"].prefill
-    assert transfer.batched and conds["target"].batched
+    tok, conds, mapper = toy_run
+    assert conds["transfer"].batched and conds["target"].batched
     source, target = conds["source"].model, conds["target"].model
-    mapper = next(c for c in transfer.__closure__ if hasattr(c.cell_contents, "apply")).cell_contents
     for budget in (E.Recompute(first=2), E.Recompute(frac=0.2)):
         cond = {"transfer": E.Condition(target, E.transfer(source, target, mapper, budget))}
         assert not cond["transfer"].batched
