@@ -57,6 +57,11 @@ class Tokenizer:
     def vocab_size(self):
         return self.tok.get_vocab_size(with_added_tokens=True)
 
+    def hash(self):
+        """A hash of the whole tokenizer.json (vocabulary, merges, normalizer, pre-tokenizer): equal hashes,
+        equal ids for any text (what cached token ids are keyed by, kvt/data.py)."""
+        return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
+
     def fingerprint(self):
         """A hash of the vocabulary: two models can share KV only if they read text the same way."""
         vocab = sorted(self.tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
