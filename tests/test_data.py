@@ -158,3 +158,19 @@ def test_token_ids_are_cached_by_text_and_tokenizer(tmp_path):
     c = calibration_sequences(text, again, n=5, length=64, seed=1, cache=torn)
     assert again.calls == 31 and f.stat().st_size > 50
     assert c.hash() == calibration_sequences(text, Chars(), n=5, length=64, seed=1).hash()
+
+
+def test_missing_calibration_folder_says_where_to_point(tiny_pair, tmp_path):
+    """A real pair whose data folder lacks calib/: one line naming the folders it looked for and the two
+    ways out (--data-dir / KVT_DATA, --calib), before any model is loaded, and no output folder left."""
+    from kvt.pipeline import main
+    if not (SHARED / "data" / "arc_easy").exists():
+        pytest.skip("no shared arc_easy data")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "arc_easy").symlink_to(SHARED / "data" / "arc_easy")
+    with pytest.raises(KvtError) as e:
+        main(["--source", str(tiny_pair / "source"), "--target", str(tiny_pair / "twin"), "--data-dir",
+              str(tmp_path / "data"), "--tasks", "arc_easy", "--no-bench", "--out", str(tmp_path / "out")])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"no calibration text at {tmp_path / 'data' / 'calib' / 'wikitext-2'}")
+    assert "--data-dir" in msg and "--calib" in msg and not (tmp_path / "out").exists(), msg
