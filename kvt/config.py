@@ -10,6 +10,7 @@ What kvt does not implement is refused with a one-line KvtError naming the key, 
 """
 import hashlib
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -139,16 +140,60 @@ def download_hint(path):
     return f"hf download {repo} --local-dir {path}"
 
 
+def hub_caches():
+    """The Hugging Face cache folders, in the order the hub client picks one: $HF_HUB_CACHE, $HF_HOME/hub,
+    ~/.cache/huggingface/hub (each only when set; the last always)."""
+    places = [os.environ.get("HF_HUB_CACHE"), os.environ.get("HF_HOME") and Path(os.environ["HF_HOME"]) / "hub",
+              Path.home() / ".cache" / "huggingface" / "hub"]
+    return [Path(p) for p in dict.fromkeys(places) if p]
+
+
+def hub_snapshot(repo, cache):
+    """The folder `hf download repo` filled in the cache: models--Org--Name/snapshots/<the commit refs/main
+    names> (files there are links into blobs/), or the one snapshot when refs/main is missing; else None."""
+    folder = Path(cache) / ("models--" + repo.replace("/", "--"))
+    ref = folder / "refs" / "main"
+    snapshots = sorted((folder / "snapshots").glob("*/")) if (folder / "snapshots").is_dir() else []
+    if ref.is_file():
+        snapshot = folder / "snapshots" / ref.read_text().strip()
+        return snapshot if snapshot.is_dir() else None
+    return snapshots[0] if len(snapshots) == 1 else None
+
+
+def checkpoint_name(path):
+    """The name a run calls a checkpoint folder by: the kvt name of a hub snapshot (.../models--Qwen--Qwen3-14B/
+    snapshots/<commit> -> qwen3-14b, else the repo's name), or the folder's own name."""
+    path = Path(path)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        repo = path.parent.parent.name.removeprefix("models--").replace("--", "/")
+        return next((name for name, (r, _) in SHAPES.items() if r == repo), repo.split("/")[-1].lower())
+    return path.name
+
+
 def find_weights(name, weights=None):
     """The checkpoint folder of the model called `name`: WEIGHTS/<name> when a folder of checkpoints is
     given, else the first that exists of ./weights/<name>, the weights/ beside kvt's own source (a
-    working copy of the repository) and <prefix>/share/kvt/weights/<name> (the toy family pip installs);
-    the first of them when none does (loading it then says how to get it)."""
+    working copy of the repository), <prefix>/share/kvt/weights/<name> (the toy family pip installs) and,
+    for a named shape, its snapshot in a Hugging Face cache (hub_caches: what `hf download` fetched; read
+    as files, no hub client, no network). None there: one line naming every place and the download."""
     if weights is not None:
         return Path(weights) / name
     places = [Path("weights"), Path(__file__).resolve().parent.parent / "weights",
               Path(sys.prefix) / "share" / "kvt" / "weights"]
-    return next((p / name for p in places if (p / name).is_dir()), places[0] / name)
+    found = next((p / name for p in places if (p / name).is_dir()), None)
+    if found is None and name in SHAPES:
+        repo = SHAPES[name][0]
+        found = next(filter(None, (hub_snapshot(repo, cache) for cache in hub_caches())), None)
+    if found is not None:
+        return found
+    looked = [str(p / name) for p in places]
+    if name in SHAPES:
+        repo = SHAPES[name][0]
+        looked += [str(cache / ("models--" + repo.replace("/", "--"))) for cache in hub_caches()]
+        get = f"hf download {repo} (into the Hugging Face cache), or {download_hint(places[0] / name)}"
+    else:
+        get = download_hint(places[0] / name)
+    raise KvtError(f"no checkpoint {name} in {', '.join(looked)}; get it with: {get}")
 
 
 def load_config(path, context=None):

@@ -15,15 +15,23 @@ gets every document left, so no document is shared by two regions. Within a regi
 joined ("\n\n") into one token stream, cut into consecutive windows, and the windows used are a seeded
 sample of those: no window overlaps another. Each sequence is the tokenizer's BOS (when it has one) and
 then length - 1 tokens of its window, so calibration looks like the prompts the models see.
+
+Tokenizing millions of tokens of text takes minutes, so with `cache` (a folder, run.py passes its
+output folder) every document's ids are kept in calib-tokens-<key>.safetensors, written atomically and
+keyed by a hash of the documents' text and of the tokenizer: a rerun or a resume reads them back.
 """
 import hashlib
 import json
+import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from kvt.config import KvtError
 
@@ -94,10 +102,36 @@ def region_sizes(n):
     return max(2, round(n / 10)), max(2, round(n / 20))
 
 
-def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documents=None, n_val=None, n_diag=None):
+def tokenize_documents(docs, tokenizer, cache=None, progress=False):
+    """Every document's token ids (special=False). cache: a folder where they are kept, keyed by the
+    documents' text and tokenizer.hash() (see the module docstring); a file that cannot be read is made again."""
+    if cache is None:
+        return [tokenizer.encode(d, special=False) for d in tqdm(docs, "tokenizing", disable=not progress)]
+    h = hashlib.sha256(tokenizer.hash().encode())
+    for d in docs:
+        h.update(hashlib.sha256(d.encode("utf-8", errors="replace")).digest())
+    file = Path(cache) / f"calib-tokens-{h.hexdigest()[:16]}.safetensors"
+    try:
+        t = load_file(file)
+        ids, starts = t["ids"].tolist(), t["starts"].tolist()             # (N,) all documents' ids, (D + 1,)
+        return [ids[a:b] for a, b in zip(starts, starts[1:])]
+    except (FileNotFoundError, SafetensorError, KeyError):
+        pass
+    out = tokenize_documents(docs, tokenizer, progress=progress)
+    starts = torch.tensor([0] + [len(ids) for ids in out]).cumsum(0)      # (D + 1,) where each document starts
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")                # ranks of one run may race here
+    save_file({"ids": torch.tensor([i for ids in out for i in ids], dtype=torch.int32), "starts": starts}, tmp)
+    tmp.replace(file)
+    return out
+
+
+def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documents=None, n_val=None, n_diag=None,
+                          cache=None, progress=False):
     """A Calibration of n fit, n_val validation and n_diag diagnostics sequences of `length` tokens
     (defaults: region_sizes(n)); the same arguments always give the same ids. documents: a list of
-    texts to draw from instead of files (e.g. the toy corpus)."""
+    texts to draw from instead of files (e.g. the toy corpus). cache: a folder keeping the documents'
+    token ids (tokenize_documents)."""
     if n < 1 or length < 2:
         raise KvtError(f"calibration needs at least 1 sequence of at least 2 tokens (got {n} x {length})")
     docs = documents if documents is not None else read_documents(paths_or_dir)
@@ -109,11 +143,12 @@ def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documen
     rng = random.Random(seed)
     order = rng.sample(range(len(docs)), len(docs))          # documents in a seeded order
     sep = tokenizer.encode("\n\n", special=False)
+    tokens = tokenize_documents(docs, tokenizer, cache, progress)
     streams, i = {}, 0
     for region in ("diag", "val", "fit"):                    # fit last: it takes every document left
         stream = []
         while i < len(order) and (region == "fit" or len(stream) < wanted[region] * need):
-            stream += tokenizer.encode(docs[order[i]], special=False) + sep
+            stream += tokens[order[i]] + sep
             i += 1
         streams[region] = stream
     out = {}

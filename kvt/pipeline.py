@@ -46,14 +46,14 @@ import kvt
 from kvt import dist, evals, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.cache import keep_freed_memory
-from kvt.config import KvtError, check_matched_kv, find_weights, load_config, parse_pair
+from kvt.config import KvtError, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
-from kvt.plan import capacity, check_plan, format_plan, plan, split_to_fit
+from kvt.plan import capacity, check_plan, eval_batch, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
 from kvt.summary import CORPUS, average_retention, coqa_agreement, coqa_turns, lm_eval_results, summarize
 from kvt.weights import fingerprint
@@ -95,6 +95,9 @@ def parse_args(argv=None):
     ap.add_argument("--task-limit", action="append", default=[], metavar="TASK=N",
                     help="items of one task, overriding --limit (repeatable), e.g. coqa=50")
     ap.add_argument("--seed", type=int, default=0, help="the item sample and the calibration draw")
+    ap.add_argument("--batch-size", type=int, help="items evaluated together, left-padded (default: on a GPU the "
+                    "largest power of two up to 64 the memory plan fits, plan.eval_batch; on a CPU 8); records "
+                    "equal batch 1's within the dtype's rounding, so a resumed run may change it")
     ap.add_argument("--bench", dest="bench", action="store_true", default=True)
     ap.add_argument("--no-bench", dest="bench", action="store_false")
     ap.add_argument("--bench-lengths", help="context lengths to time (default: toy 256,512,1024; CPU 512..4096; "
@@ -157,6 +160,7 @@ def check_args(args):
             raise KvtError(f"--bench-lengths {args.bench_lengths!r}: give comma-separated context lengths of at "
                            "least 2 tokens, e.g. 512,1024,2048")
     positive("context", args.context, 2)
+    positive("batch-size", args.batch_size, why=" (items per evaluation batch)")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise KvtError(f"--out {args.out} is a file; give a folder (it is created if missing)")
 
@@ -187,12 +191,29 @@ def check_lengths(lengths, cfgs, tok):
                        f"{min(c.vocab_size for c in cfgs)}; use the tokenizer that came with these weights")
 
 
+def eval_shape(items, tok):
+    """What an evaluation batch holds per item, for plan.eval_batch: the longest prompt in tokens (a context
+    with its longest choice and its continuation; a whole conversation), the most continuations an item scores (choices, or
+    contexts of a multiple_input item), and the most tokens a task generates."""
+    longest, choices, new = 1, 1, 0
+    for task, its in items.items():
+        kind = tasks.get(task).kind
+        for it in its:
+            text = ("".join(tasks.coqa_segments(it)) if kind == "coqa"
+                    else it.context + max(it.choices or [""], key=len) + it.continuation)
+            longest = max(longest, len(tok.encode(text)))
+            choices = max(choices, len(it.choices or []))
+        if kind in ("generate_until", "coqa"):
+            new = max(new, tasks.get(task).max_new_tokens)
+    return longest, choices, new
+
+
 def resolve(args):
     """(source dir, target dir, source name, target name)."""
     if args.source or args.target:
         if not (args.source and args.target):
             raise KvtError("give both --source and --target (or --pair)")
-        return args.source, args.target, args.source.name, args.target.name
+        return args.source, args.target, checkpoint_name(args.source), checkpoint_name(args.target)
     src, tgt = parse_pair(args.pair)
     return find_weights(src, args.weights), find_weights(tgt, args.weights), src, tgt
 
@@ -325,7 +346,8 @@ def run_tasks(args, items, tok, conds, path, header):
             mine_ids = set(dist.shard(todo))
             skip = {(c, it.id) for it in its for c in conds
                     if it.id not in mine_ids or (task, c, it.id, keys[task, it.id]) in done}
-            for rec in evals.evaluate(task, its, tok, conds, done=skip, progress=dist.rank() == 0):
+            for rec in evals.evaluate(task, its, tok, conds, done=skip, progress=dist.rank() == 0,
+                                      batch_size=args.batch_size):
                 f.write(json.dumps({**rec, "key": keys[task, rec["id"]]}) + "\n")
                 f.flush()
     dist.barrier()
@@ -466,7 +488,13 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
     items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
-    calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text)
+    missing = [str(p) for p in args.calib if not Path(p).exists()]
+    if missing and not is_toy and args.calib == [args.data_dir / c for c in REAL_CALIB]:
+        raise KvtError(f"no calibration text at {', '.join(missing)}; point --data-dir (or KVT_DATA) at a data folder "
+                       "with calib/wikitext-2 (WikiText-2 raw, .txt) and calib/gutenberg (Project Gutenberg books, .txt), "
+                       "e.g. ../shared/data, or pass --calib with your own .txt/.jsonl/.json files or folders")
+    calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text,
+                                  cache=None if toy_text else out, progress=dist.rank() == 0)
     skey = stats_key(args, src_dir, tgt_dir, calib)
     cap = capacity(devices)
     memory = split_to_fit(plan(src_cfg, tgt_cfg, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
@@ -499,6 +527,10 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
               **({"recompute": [recompute.last, recompute.first, recompute.frac]} if recompute else {}),
               **({"recompute_by": recompute.by} if recompute.frac and recompute.by != "attention" else {})}
     conds = evals.conditions(target, source, evals.transfer(source, target, mapper, recompute))
+    if args.batch_size is None:
+        context, choices, new = eval_shape(items, tok)
+        args.batch_size = eval_batch(src_cfg, tgt_cfg, cap, context, choices, new, args.scope, args.k, dtype, devices)
+    print(f"evaluation: {args.batch_size} items a batch (--batch-size)")
     records = run_tasks(args, items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header)
     summary, average = summarize(records), average_retention(records)
     coqa = {}

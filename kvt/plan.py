@@ -290,6 +290,31 @@ def split_to_fit(p, cap):
     return q
 
 
+CPU_EVAL_BATCH = 8    # items per evaluation batch on a CPU, where memory is not what limits it (docs/evaluation.md)
+CONT_TOKENS = 64      # tokens per scored continuation the evaluation plan allows for (a HellaSwag ending: ~40)
+
+
+def eval_batch(src_cfg, tgt_cfg, cap, context, choices=4, new_tokens=256, scope="layer", k=8, dtype=torch.bfloat16,
+               devices=("cpu",), most=64):
+    """Items per evaluation batch (run.py --batch-size's default): CPU_EVAL_BATCH on a CPU; on GPUs the largest
+    power of two up to `most` that fits `cap` beside both models' weights: the transfer plan of that many
+    contexts of context + new_tokens tokens (plan(..., calibrate=False): source KV, mapped KV, the mapper,
+    its float32 working set, activations), plus a copy of the target's KV for each of an item's `choices`
+    (every continuation reads its own item's cache) and their float32 log-probabilities (CONT_TOKENS each)."""
+    if all(torch.device(d).type == "cpu" for d in devices):
+        return CPU_EVAL_BATCH
+    best, b = 1, 1
+    while b <= most:
+        p = plan(src_cfg, tgt_cfg, scope, k, context + new_tokens, dtype, devices, batch=b, calibrate=False)
+        rows = b * choices
+        p.rows += [("transfer", f"continuations' caches, {rows} x {context} tokens", kv_bytes(tgt_cfg, p.devices, rows * context, dtype)),
+                   ("transfer", "log-probabilities (float32)", {p.devices[-1]: 2 * rows * CONT_TOKENS * tgt_cfg.vocab_size * 4})]
+        if not fits(p, cap):
+            break
+        best, b = b, 2 * b
+    return best
+
+
 def format_plan(p, cap=None, title="source -> target"):
     """The plan as a table: one column per device, GiB; with `cap`, the usable memory and the verdict."""
     o = p.options

@@ -2,6 +2,11 @@
 
     lls, greedy = loglikelihoods(model, ctx_ids, [cont_ids, ...])      # the context is prefilled once
     record = score_choices(model, encode, context, choices, gold)     # acc, acc_norm as the harness
+    [(lls, greedy), ...] = batch_loglikelihoods(model, [(ctx_ids, [cont_ids, ...]), ...])  # many contexts at once
+
+batch_loglikelihoods is loglikelihoods' fast twin (a GPU reading one context at a time waits on kernel
+launches): the contexts are left-padded into one prefill, every continuation of every context one
+right-padded batch after it, and each result equals loglikelihoods' within the dtype's rounding.
 
 The evals (kvt/evals.py) score every multiple-choice task with score_choices, and so does the toy
 family's trainer (toy.choice_accuracy), so a toy model's held-out recall and its evaluation are the
@@ -13,13 +18,25 @@ import torch
 from kvt.config import KvtError
 
 
-def prefill(model, ids, via=None):
-    """(last logits (1, V), cache) after reading ids (1, T): via(ids) if given (e.g. a transfer), else
-    the model's own prefill."""
+def prefill(model, ids, via=None, mask=None):
+    """(last logits (B, V), cache) after reading ids (B, T), mask (B, T) bool (False = left padding) or
+    None: via(ids) (via(ids, mask) with a mask) if given (e.g. a transfer), else the model's own prefill."""
     if via is not None:
-        return via(ids)
-    logits, cache = model(ids, last=True)  # (1, 1, V)
-    return logits[:, -1], cache            # (1, V)
+        return via(ids) if mask is None else via(ids, mask)
+    logits, cache = model(ids, mask=mask, last=True)  # (B, 1, V)
+    return logits[:, -1], cache                       # (B, V)
+
+
+def left_pad(seqs, device=None):
+    """Token lists as one left-padded batch: ids (B, T) long (0 at padding) and mask (B, T) bool, False at
+    padding, or None when every row is as long as the longest (the model's plain path, as at batch 1)."""
+    T = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        if s:
+            ids[b, -len(s):], mask[b, -len(s):] = torch.tensor(s), True
+    return ids.to(device), None if mask.all() else mask.to(device)
 
 
 def encode_pair(encode, context, continuation, prefix_id=None):
@@ -62,6 +79,36 @@ def loglikelihoods(model, ctx, conts, via=None):
     return ll.tolist(), greedy.tolist()
 
 
+@torch.no_grad()
+def batch_loglikelihoods(model, pairs, via=None):
+    """loglikelihoods for several contexts at once: pairs [(ctx ids, [cont ids, ...]), ...] -> [(lls, greedy),
+    ...]. The contexts are one left-padded prefill (via: another prefill, called with the mask); every
+    continuation reads its own context's cache (a copy per row, but for one context: views)."""
+    dev = next(model.parameters()).device
+    ids, mask = left_pad([ctx for ctx, _ in pairs], dev)
+    last, cache = prefill(model, ids, via, mask)              # (B, V), a cache of T slots per context
+    conts = [c for _, cs in pairs for c in cs]
+    rows = torch.tensor([b for b, (_, cs) in enumerate(pairs) for _ in cs], device=dev)  # (n,) each one's context
+    n, Tc = len(conts), max(len(c) for c in conts)
+    cont = torch.zeros(n, Tc, dtype=torch.long, device=dev)  # (n, Tc), right padding
+    real = torch.zeros(n, Tc, dtype=torch.bool, device=dev)  # (n, Tc), True at real tokens
+    for i, c in enumerate(conts):
+        cont[i, :len(c)], real[i, :len(c)] = torch.tensor(c), True
+    # As in loglikelihoods: logits[:, i] predict token i+1; right padding comes after every real token.
+    pred = last[rows][:, None]                                # (n, 1, V)
+    if Tc > 1:
+        logits, _ = model(cont[:, :-1], cache=cache.expand(n) if len(pairs) == 1 else cache.select(rows))
+        pred = torch.cat([pred, logits], 1)                   # (n, Tc, V)
+    logp = pred.float().log_softmax(-1).gather(-1, cont[..., None])[..., 0]  # (n, Tc)
+    ll = logp.masked_fill(~real, 0).sum(1).tolist()          # (n,)
+    greedy = ((pred.argmax(-1) == cont) | ~real).all(1).tolist()
+    out, i = [], 0
+    for _, cs in pairs:
+        out.append((ll[i:i + len(cs)], greedy[i:i + len(cs)]))
+        i += len(cs)
+    return out
+
+
 def mc_metrics(lls, choices, gold):
     """acc and acc_norm from the loglikelihood of each choice (first maximum wins, as np.argmax). acc_norm
     divides by len(choice) in characters, as the harness's code does (its docs say bytes; equal on ASCII)."""
@@ -74,6 +121,14 @@ def score_choices(model, encode, context, choices, gold, prefix_id=None, via=Non
     """One multiple-choice item (the harness's output_type multiple_choice): each choice, after the
     target delimiter " ", scored by its summed loglikelihood after the context. choices: without the
     leading space (the harness's doc_to_choice); gold: the right one's index. A plain dict, one record."""
-    pairs = [encode_pair(encode, context, " " + c, prefix_id) for c in choices]
-    lls, greedy = loglikelihoods(model, pairs[0][0], [cont for _, cont in pairs], via)
-    return {"gold": gold, "lls": lls, "greedy": greedy, **mc_metrics(lls, choices, gold)}
+    return score_choice_batch(model, encode, [(context, choices, gold)], prefix_id, via)[0]
+
+
+def score_choice_batch(model, encode, items, prefix_id=None, via=None):
+    """score_choices for several items (context, choices, gold) at once (batch_loglikelihoods): a record each."""
+    pairs = []
+    for context, choices, _ in items:
+        encoded = [encode_pair(encode, context, " " + c, prefix_id) for c in choices]
+        pairs.append((encoded[0][0], [cont for _, cont in encoded]))
+    return [{"gold": gold, "lls": lls, "greedy": greedy, **mc_metrics(lls, choices, gold)}
+            for (_, choices, gold), (lls, greedy) in zip(items, batch_loglikelihoods(model, pairs, via))]

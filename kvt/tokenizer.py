@@ -5,6 +5,7 @@ The family's BOS handling comes from tokenizer.json itself: its post-processor a
 trained on. Continuations that follow a context are encoded with special=False. An empty context
 is one token, `prefix_id`: the BOS that tokenizer_config.json names, else EOS (as lm-evaluation-harness);
 it can differ from `bos_id`, what the post-processor adds (SmolLM2 names a BOS but adds none).
+Generation stops at any of `stop_ids`: the checkpoint's end-of-sequence tokens (end_ids) and EOS.
 """
 import hashlib
 import json
@@ -43,6 +44,7 @@ class Tokenizer:
         # config's BOS if it names one (Llama 3 <|begin_of_text|>, SmolLM2 <|im_start|>), else EOS (Qwen3)
         bos = named("bos_token")
         self.prefix_id = bos if bos is not None else self.eos_id
+        self.stop_ids = tuple(dict.fromkeys([*end_ids(file.parent), *([self.eos_id] if self.eos_id is not None else [])]))
 
     def encode(self, text, special=True):
         """text -> token ids; special=True adds what the family's post-processor adds (Llama 3: BOS)."""
@@ -55,10 +57,30 @@ class Tokenizer:
     def vocab_size(self):
         return self.tok.get_vocab_size(with_added_tokens=True)
 
+    def hash(self):
+        """A hash of the whole tokenizer.json (vocabulary, merges, normalizer, pre-tokenizer): equal hashes,
+        equal ids for any text (what cached token ids are keyed by, kvt/data.py)."""
+        return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
+
     def fingerprint(self):
         """A hash of the vocabulary: two models can share KV only if they read text the same way."""
         vocab = sorted(self.tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
         return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def end_ids(folder):
+    """The checkpoint's end-of-sequence ids: generation_config.json's eos_token_id (an id or a list: Qwen3
+    ends a turn with <|im_end|> and a text with <|endoftext|>), else config.json's; () when neither names one."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(folder) / name
+        try:
+            conf = json.loads(f.read_text()) if f.exists() else {}
+        except json.JSONDecodeError as e:
+            raise KvtError(f"{f} is not valid JSON ({e}); download the checkpoint's files again")
+        ids = conf.get("eos_token_id", (conf.get("text_config") or {}).get("eos_token_id"))
+        if ids is not None:
+            return tuple(ids) if isinstance(ids, list) else (ids,)
+    return ()
 
 
 def load_tokenizer(path):

@@ -104,3 +104,66 @@ def tiny_pair(tmp_path_factory):
         kvt.save_model(model, root / name)
         tok.save(str(root / name / "tokenizer.json"))
     return root
+
+
+# ---- a tiny Qwen3 pair as `hf download` leaves it in the Hugging Face cache ------------------------------
+
+QWEN3_CONFIG = {  # Qwen/Qwen3-14B's config.json, as published, but for the sizes
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 128, "max_position_embeddings": 40960, "max_window_layers": 2, "model_type": "qwen3",
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936}
+QWEN3_GENERATION = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+                    "temperature": 0.6, "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"}
+
+
+def hub_checkpoint(hub, repo, config, seed):
+    """One repo in the cache layout: blobs/<sha256> holding every file, snapshots/<commit>/<name> relative
+    links to them, refs/main naming the commit; weights in bf16, in two shards and an index. Returns the
+    snapshot folder and the state dict written."""
+    import hashlib
+    import json
+
+    from safetensors.torch import save as to_bytes
+
+    from kvt.config import config_from_dict
+    from kvt.weights import checkpoint_names
+    cfg = config_from_dict(config)
+    model = kvt.build_model(cfg, dtype=torch.bfloat16, seed=seed, std=0.2)
+    tensors = {checkpoint_names(cfg, n)[0]: p.detach().contiguous() for n, p in model.named_parameters()}
+    shard = {name: ("model-00001-of-00002.safetensors" if name.startswith(("model.embed_tokens", "model.layers.0."))
+                    else "model-00002-of-00002.safetensors") for name in tensors}
+    files = {f: to_bytes({n: t for n, t in tensors.items() if shard[n] == f}, {"format": "pt"}) for f in set(shard.values())}
+    index = {"metadata": {"total_size": sum(t.numel() * 2 for t in tensors.values())}, "weight_map": shard}
+    for name, content in (("config.json", config), ("generation_config.json", QWEN3_GENERATION),
+                          ("model.safetensors.index.json", index)):
+        files[name] = json.dumps(content, indent=2).encode()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        files[name] = (SHARED / "tokenizers" / "qwen3" / name).read_bytes()
+    folder = hub / ("models--" + repo.replace("/", "--"))
+    commit = hashlib.sha1(repo.encode()).hexdigest()
+    snapshot = folder / "snapshots" / commit
+    (folder / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)                   # no newline, as the hub client writes it
+    for name, content in files.items():
+        blob = hashlib.sha256(content).hexdigest()
+        (folder / "blobs" / blob).write_bytes(content)
+        (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / blob)
+    return snapshot, tensors
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory):
+    """HF_HOME-style folder (hf/) whose hub/ holds tiny Qwen/Qwen3-14B (2 layers) and Qwen/Qwen3-32B (3 layers)
+    with the real Qwen3 tokenizer; skips without ../shared/tokenizers/qwen3. Returns (home, {repo: (snapshot,
+    tensors)})."""
+    if not (SHARED / "tokenizers" / "qwen3" / "tokenizer.json").exists():
+        pytest.skip(f"no Qwen3 tokenizer at {SHARED}/tokenizers/qwen3")
+    home = tmp_path_factory.mktemp("hf")
+    repos = {"Qwen/Qwen3-14B": (dict(QWEN3_CONFIG), 0), "Qwen/Qwen3-32B": (dict(QWEN3_CONFIG, num_hidden_layers=3), 1)}
+    return home, {repo: hub_checkpoint(home / "hub", repo, config, seed) for repo, (config, seed) in repos.items()}

@@ -117,3 +117,60 @@ def test_different_tokenizers_are_refused(qwen):
     with pytest.raises(KvtError) as e:
         check_same_tokenizer(qwen, kvt.load_tokenizer(SHARED / "tokenizers" / "llama3"))
     assert "tokenizers differ" in str(e.value) and "\n" not in str(e.value)
+
+
+class Counting(Chars):
+    """Chars that counts the texts it encodes; `version` stands for its tokenizer.json (Tokenizer.hash)."""
+    def __init__(self, version="a"):
+        self.calls, self.version = 0, version
+
+    def encode(self, text, special=False):
+        self.calls += 1
+        return super().encode(text, special)
+
+    def hash(self):
+        return self.version
+
+
+def test_token_ids_are_cached_by_text_and_tokenizer(tmp_path):
+    """Bug: the calibration text was tokenized again on every run and resume (minutes on the real corpus).
+    With a cache folder, the second run encodes only the separator and gets the same sequences; other text
+    or another tokenizer gets its own file; a torn file is made again."""
+    text, cache = tmp_path / "text", tmp_path / "out"
+    text.mkdir()
+    for i in range(30):
+        (text / f"{i:02d}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog. " * 12)
+    first, tok = Counting(), Counting()
+    a = calibration_sequences(text, first, n=5, length=64, seed=1, cache=cache)
+    b = calibration_sequences(text, tok, n=5, length=64, seed=1, cache=cache)
+    assert first.calls == 31 and tok.calls == 1, (first.calls, tok.calls)       # 30 documents + "\n\n"
+    assert a.hash() == b.hash() == calibration_sequences(text, Chars(), n=5, length=64, seed=1).hash()
+    assert len(list(cache.glob("calib-tokens-*.safetensors"))) == 1 and not list(cache.glob("*.tmp"))
+    (text / "00.txt").write_text("another text " * 100)
+    calibration_sequences(text, tok, n=5, length=64, seed=1, cache=cache)
+    calibration_sequences(text, Counting("b"), n=5, length=64, seed=1, cache=cache)
+    assert len(list(cache.glob("calib-tokens-*.safetensors"))) == 3
+    torn = tmp_path / "torn"
+    calibration_sequences(text, Counting(), n=5, length=64, seed=1, cache=torn)
+    (f,) = torn.glob("calib-tokens-*.safetensors")
+    f.write_bytes(f.read_bytes()[:50])                                              # a crash mid-copy
+    again = Counting()
+    c = calibration_sequences(text, again, n=5, length=64, seed=1, cache=torn)
+    assert again.calls == 31 and f.stat().st_size > 50
+    assert c.hash() == calibration_sequences(text, Chars(), n=5, length=64, seed=1).hash()
+
+
+def test_missing_calibration_folder_says_where_to_point(tiny_pair, tmp_path):
+    """A real pair whose data folder lacks calib/: one line naming the folders it looked for and the two
+    ways out (--data-dir / KVT_DATA, --calib), before any model is loaded, and no output folder left."""
+    from kvt.pipeline import main
+    if not (SHARED / "data" / "arc_easy").exists():
+        pytest.skip("no shared arc_easy data")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "arc_easy").symlink_to(SHARED / "data" / "arc_easy")
+    with pytest.raises(KvtError) as e:
+        main(["--source", str(tiny_pair / "source"), "--target", str(tiny_pair / "twin"), "--data-dir",
+              str(tmp_path / "data"), "--tasks", "arc_easy", "--no-bench", "--out", str(tmp_path / "out")])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"no calibration text at {tmp_path / 'data' / 'calib' / 'wikitext-2'}")
+    assert "--data-dir" in msg and "--calib" in msg and not (tmp_path / "out").exists(), msg

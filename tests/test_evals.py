@@ -25,6 +25,7 @@ needs_data = pytest.mark.skipif(not DATA.exists(), reason=f"no shared data at {D
 class CharTok:
     """A tokenizer of one id per character (ASCII), enough to drive a tiny random model."""
     eos_id = 3
+    stop_ids = (3,)  # what generation stops at (a real tokenizer: the checkpoint's end tokens, tokenizer.end_ids)
     prefix_id = 2  # what an empty context becomes (a real tokenizer's BOS, else EOS): not eos_id here
 
     def encode(self, text, special=True):
@@ -285,7 +286,7 @@ def test_converse_extends_the_cache_like_a_fresh_prefill():
     for t, a in zip((2, 3), answers):
         ids = torch.tensor([tok.encode("".join(pieces[:t]))])
         logits, cache = model(ids)
-        out = kvt.generate(model, logits[:, -1], cache, 6, stop_ids=(tok.eos_id,), stop=("\n",),
+        out = kvt.generate(model, logits[:, -1], cache, 6, stop_ids=tok.stop_ids, stop=("\n",),
                          decode=lambda x: tok.decode(x).lstrip())[0]
         assert a == tok.decode(out).strip().split("\n")[0]
     assert len(answers) == 2
@@ -293,7 +294,7 @@ def test_converse_extends_the_cache_like_a_fresh_prefill():
 
 def test_generate_until_cuts_at_stop_strings():
     model, tok = tiny(seed=2), CharTok()
-    tok.eos_id = -1  # no end token: only the stop strings and max_new_tokens end generation
+    tok.stop_ids = ()  # no end token: only the stop strings and max_new_tokens end generation
     full = E.generate_until(E.Condition(model), tok, "Q: 1+1?\nA:", until=(), max_new_tokens=12)
     assert len(full) == 12
     stop = full[5]

@@ -64,7 +64,7 @@ MINE = [MC, INPUTS, GEN, ROLLING, COQA]
 
 class CharTok:
     """A tokenizer of one id per character (ASCII), enough to drive a tiny random model."""
-    eos_id, prefix_id = 3, 2
+    eos_id, prefix_id, stop_ids = 3, 2, (3,)
 
     def encode(self, text, special=True):
         return [ord(c) % 128 for c in text]
@@ -257,7 +257,7 @@ def test_multiple_input_scores_the_shared_continuation_after_each_context():
     item = Item("w", "", 1, ["Tom gave Ann a ball because Tom", "Tom gave Ann a ball because Ann"],
                 floor=["Tom", "Ann"], continuation="was kind.")
     for cond, contexts in [(E.Condition(model), item.choices), (E.Condition(model, floor=True), item.floor)]:
-        r = E.score_inputs(cond, tok, item, T.TASKS["winogrande"])
+        r = E.score_inputs(cond, tok, [item], T.TASKS["winogrande"])[0]
         want = [one_pass(model, tok.encode(c), tok.encode(" was kind.")) for c in contexts]
         assert r["lls"] == pytest.approx(want, abs=1e-4)
         assert r["pred"] == max(range(2), key=want.__getitem__) and r["acc"] == float(r["pred"] == 1)
@@ -270,8 +270,8 @@ def test_rolling_scores_the_same_text_after_each_prefix():
     model, tok = kvt.build_model(tiny_config("llama"), seed=1, std=0.2), CharTok()
     item = Item("r", "It rained all day ", continuation="so the match was off.", floor="So")
     task = Task("roll", lambda: [], "loglikelihood_rolling")
-    own = E.score_rolling(E.Condition(model), tok, item, task)
-    floor = E.score_rolling(E.Condition(model, floor=True), tok, item, task)
+    own = E.score_rolling(E.Condition(model), tok, [item], task)[0]
+    floor = E.score_rolling(E.Condition(model, floor=True), tok, [item], task)[0]
     text = " so the match was off."
     assert own["ll"] == pytest.approx(one_pass(model, tok.encode("It rained all day"), tok.encode(text)), abs=1e-4)
     assert floor["ll"] == pytest.approx(one_pass(model, tok.encode("So"), tok.encode(text)), abs=1e-4)
@@ -328,14 +328,14 @@ def test_lm_eval_results_layout():
 
 def test_toy_trainer_scores_as_the_evals(tiny_pair, monkeypatch):
     """toy.choice_accuracy (the trainer's held-out recall and toy_train.json) and the evals' toy_recall
-    call the one scorer, kvt.scoring.score_choices, with the same contexts, choices and golds, so they
-    give the same accuracy, with the context (target) and without it (floor). Guards: a second scorer in
-    toy.py, and the two floors that differed (the text after the last " . " against after the last ".")."""
+    call the one scorer, kvt.scoring.score_choice_batch (score_choices is its batch of one), with the same
+    contexts, choices and golds, so they give the same accuracy, with the context (target) and without it
+    (floor). Guards: a second scorer in toy.py or evals.py, and the two floors that differed (the text after
+    the last " . " against after the last ".")."""
     model, tok = kvt.load_model(tiny_pair / "source"), kvt.load_tokenizer(tiny_pair / "source")
-    calls, real = [], scoring.score_choices
-    monkeypatch.setattr(scoring, "score_choices",
-                        lambda model, encode, context, choices, gold, *a: calls.append((context, choices, gold))
-                        or real(model, encode, context, choices, gold, *a))
+    calls, real = [], scoring.score_choice_batch
+    monkeypatch.setattr(scoring, "score_choice_batch",
+                        lambda model, encode, items, *a: calls.extend(items) or real(model, encode, items, *a))
     records, items = toy.toy_tasks("recall", 12), T.load_task("toy_recall", None, n=12)
     for context, cond in [(True, "target"), (False, "floor")]:
         calls.clear()
