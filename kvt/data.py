@@ -103,10 +103,12 @@ def region_sizes(n):
 
 
 def tokenize_documents(docs, tokenizer, cache=None, progress=False):
-    """Every document's token ids (special=False). cache: a folder where they are kept, keyed by the
-    documents' text and tokenizer.hash() (see the module docstring); a file that cannot be read is made again."""
+    """Every document's token ids (special=False), and a function that keeps them in `cache` (a folder;
+    the file is keyed by the documents' text and tokenizer.hash(), see the module docstring). They are read
+    from the cache when it has them; a file that cannot be read is made again. The caller keeps them once
+    they have proven usable, so a refused run leaves its folder as it was."""
     if cache is None:
-        return [tokenizer.encode(d, special=False) for d in tqdm(docs, "tokenizing", disable=not progress)]
+        return [tokenizer.encode(d, special=False) for d in tqdm(docs, "tokenizing", disable=not progress)], lambda: None
     h = hashlib.sha256(tokenizer.hash().encode())
     for d in docs:
         h.update(hashlib.sha256(d.encode("utf-8", errors="replace")).digest())
@@ -114,16 +116,18 @@ def tokenize_documents(docs, tokenizer, cache=None, progress=False):
     try:
         t = load_file(file)
         ids, starts = t["ids"].tolist(), t["starts"].tolist()             # (N,) all documents' ids, (D + 1,)
-        return [ids[a:b] for a, b in zip(starts, starts[1:])]
+        return [ids[a:b] for a, b in zip(starts, starts[1:])], lambda: None
     except (FileNotFoundError, SafetensorError, KeyError):
         pass
-    out = tokenize_documents(docs, tokenizer, progress=progress)
-    starts = torch.tensor([0] + [len(ids) for ids in out]).cumsum(0)      # (D + 1,) where each document starts
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")                # ranks of one run may race here
-    save_file({"ids": torch.tensor([i for ids in out for i in ids], dtype=torch.int32), "starts": starts}, tmp)
-    tmp.replace(file)
-    return out
+    out, _ = tokenize_documents(docs, tokenizer, progress=progress)
+
+    def keep():
+        starts = torch.tensor([0] + [len(ids) for ids in out]).cumsum(0)  # (D + 1,) where each document starts
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")            # ranks of one run may race here
+        save_file({"ids": torch.tensor([i for ids in out for i in ids], dtype=torch.int32), "starts": starts}, tmp)
+        tmp.replace(file)
+    return out, keep
 
 
 def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documents=None, n_val=None, n_diag=None,
@@ -143,7 +147,7 @@ def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documen
     rng = random.Random(seed)
     order = rng.sample(range(len(docs)), len(docs))          # documents in a seeded order
     sep = tokenizer.encode("\n\n", special=False)
-    tokens = tokenize_documents(docs, tokenizer, cache, progress)
+    tokens, keep = tokenize_documents(docs, tokenizer, cache, progress)
     streams, i = {}, 0
     for region in ("diag", "val", "fit"):                    # fit last: it takes every document left
         stream = []
@@ -162,6 +166,7 @@ def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documen
         picked = sorted(rng.sample(range(slots), wanted[region]))
         out[region] = torch.tensor([([bos] if bos is not None else []) + stream[s * need:(s + 1) * need]
                                     for s in picked], dtype=torch.long).view(-1, length)   # (count, length)
+    keep()
     return Calibration(out["fit"], out["val"], out["diag"])
 
 

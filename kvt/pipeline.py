@@ -202,7 +202,7 @@ def eval_shape(items, tok):
             text = ("".join(tasks.coqa_segments(it)) if kind == "coqa"
                     else it.context + max(it.choices or [""], key=len) + it.continuation)
             longest = max(longest, len(tok.encode(text)))
-            choices = max(choices, len(it.choices or []))
+            choices = max(choices, len(getattr(it, "choices", None) or []))  # a Conversation has none
         if kind in ("generate_until", "coqa"):
             new = max(new, tasks.get(task).max_new_tokens)
     return longest, choices, new
