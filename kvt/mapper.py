@@ -259,8 +259,9 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         return accumulate(source, target, calib, stats, batch_size, checkpoint and f"{checkpoint}.{name}",
                           progress=progress, products=products)
 
+    skipped = {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}  # singular lambdas
     stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, candidates))
-    r2_single = {kind: ridge.single_layer_r2(stats, kind, lams) for kind in KINDS}
+    r2_single = {kind: ridge.single_layer_r2(stats, kind, lams, skipped["select"][kind]) for kind in KINDS}
     selected = {kind: ridge.select_layers(r2_single[kind], stats.src_layers, k) for kind in KINDS}
     fits = {kind: {} for kind in KINDS}
     if scope == "layer" and matched:
@@ -271,22 +272,33 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
             union = sorted({l for kind in KINDS for t in targets for l in selected[kind][t].tolist()})
             plan_id = hashlib.sha256(json.dumps([union, targets]).encode()).hexdigest()[:8]
             stats = run_pass(f"pass2-{plan_id}", "layer", union, targets)   # named by what it sums: reusable
-            for kind in KINDS:
-                fits[kind].update(ridge.fit_layers(stats, kind, selected[kind], lams))
+            for kind in KINDS:                         # each W leaves the device as it is fitted
+                fits[kind].update(ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True))
             del stats
     else:
         for kind in KINDS:
-            fits[kind] = ridge.fit_layers(stats, kind, selected[kind], lams)
+            fits[kind] = ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
     layers = range(tgt_cfg.n_layers)
-    W = {kind: torch.stack([fits[kind][t][0] for t in layers]).float().cpu() for kind in KINDS}   # (Lt, G, k*Bx, By)
-    b = {kind: torch.stack([fits[kind][t][1] for t in layers]).float().cpu() for kind in KINDS}   # (Lt, G, By)
+    W = {kind: torch.stack([fits[kind][t][0] for t in layers]) for kind in KINDS}   # (Lt, G, k*Bx, By) float32, CPU
+    b = {kind: torch.stack([fits[kind][t][1] for t in layers]) for kind in KINDS}   # (Lt, G, By)
     r2 = {kind: torch.tensor([fits[kind][t][2] for t in layers], dtype=torch.float64) for kind in KINDS}
     lam_used = {kind: [fits[kind][t][3] for t in layers] for kind in KINDS}
     meta = {"k": k, "lambda": lam_used, "tokenizer": tokenizer, "calib_sequences": len(calib.fit),
             "calib_len": calib.fit.shape[1], "calib": calib.hash(), "r2": {kind: r2[kind].tolist() for kind in KINDS}}
+    if any(layers_ for step in skipped.values() for layers_ in step.values()):
+        meta["lambda_skipped"] = skipped               # {step: {kind: {layer: [lambdas]}}}
+        if dist.rank() == 0:
+            print(f"warning: ridge skipped lambdas whose system is singular: {skipped_text(skipped)}")
     mapper = Mapper(scope, src_cfg, tgt_cfg, selected, W, b, meta=meta)
     report = {"r2_single": r2_single, "r2": r2, "lambda": lam_used}
     return mapper, report
+
+
+def skipped_text(skipped):
+    """One line: which lambdas were skipped where (calibrate's meta["lambda_skipped"])."""
+    where = {"select": "source layer", "fit": "target layer"}
+    return "; ".join(f"{kind.upper()} {where[step]} {l} at {', '.join(f'{lam:g}' for lam in lams)}"
+                     for step, kinds in skipped.items() for kind, by in kinds.items() for l, lams in by.items())
 
 
 def sample_features(source, target, ids, max_bytes=2 * 2**30, scope="head", seed=0, progress=False):
