@@ -43,7 +43,8 @@ from kvt.config import KvtError, check_matched_kv, matched_kv, parse_pair, shape
 from kvt.stats import candidate_layers, groups, memory_plan
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
-USABLE = 0.95                                            # of each device; the rest: CUDA context, fragmentation
+USABLE = 0.92                                            # of each device; the rest: CUDA context, cuBLAS and
+                                                         # cuSOLVER workspaces, the allocator's fragmentation
 GiB = 2**30
 
 
@@ -59,6 +60,11 @@ class Plan:
 
     def phases(self):
         return {ph for ph, _, _ in self.rows} - {"weights"}
+
+    def host(self):
+        """Bytes of host memory at most: the largest phase of the HOST column (weights stream in from
+        memory-mapped files one tensor at a time, not counted)."""
+        return max((self.total(ph, HOST) for ph in self.phases()), default=0)
 
     def need(self):
         """{device: bytes}: the weights plus the largest phase on that device."""
@@ -137,16 +143,19 @@ def working_bytes(src_cfg, tgt_cfg, devices, tokens, dtype=torch.float32):
 
 
 def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat16, devices=("cpu",), batch=1,
-         calib_len=1024, calib_batch=1, stats_dtype=torch.float64, candidates=None, calibrate=True, group=None):
+         calib_len=1024, calib_batch=1, stats_dtype=torch.float64, candidates=None, calibrate=True, group=None,
+         bench=False):
     """The memory plan of a run (see the module docstring): calibration (unless calibrate=False, when a
     saved mapper is reused) and transfer of `batch` contexts of `context` tokens, with both models in
-    `dtype` split over `devices` by model.place. group: layer-scope statistics in passes of at most
-    this many target layers' worth (see split_to_fit). Returns a Plan."""
+    `dtype` split over `devices` by model.place; with `bench`, kvt.bench's timing at that context too.
+    group: layer-scope statistics in passes of at most this many target layers' worth (see
+    split_to_fit). Host memory is planned in a column of its own (HOST). Returns a Plan."""
     options = dict(scope=scope, k=k, context=context, dtype=dtype, devices=list(devices), batch=batch,
                    calib_len=calib_len, calib_batch=calib_batch, stats_dtype=stats_dtype, candidates=candidates,
-                   calibrate=calibrate, group=group)
+                   calibrate=calibrate, group=group, bench=bench)
     check_matched_kv(src_cfg, tgt_cfg, scope)
     devices = [canonical(d) for d in devices]
+    host = "cpu" if "cpu" in devices else HOST                # a CPU run's host memory is its device's
     name = str(dtype).replace("torch.", "")
     rows = [("weights", f"source weights ({name})", weight_bytes(src_cfg, devices, dtype)),
             ("weights", f"target weights ({name})", weight_bytes(tgt_cfg, devices, dtype))]
@@ -154,12 +163,24 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
     if calibrate:
         n = calib_len * calib_batch
         passes = memory_plan(src_cfg, tgt_cfg, scope, k, n, candidates, stats_dtype, group, devices[0])
+        fits = fit_shapes(src_cfg, tgt_cfg, scope, k, candidates, group)
+        mapper32 = sum(mapper_bytes(src_cfg, tgt_cfg, scope, k, ["cpu"]).values())
         for i, (what, size) in enumerate(passes, 1):
             phase = f"calibration pass {i}"
             rows.append((phase, f"{what}, {str(stats_dtype).replace('torch.', '')}", {devices[0]: size}))
             kv = [kv_bytes(cfg, devices, n, dtype, copies=3) for cfg in (src_cfg, tgt_cfg)]
             rows.append((phase, f"KV of a calibration batch, {n} tokens", add(*kv)))
             rows.append((phase, "activations, one layer", activation_bytes((src_cfg, tgt_cfg), devices, n, dtype)))
+            rows.append((phase, "statistics checkpoint being written (safetensors)",
+                         {host: size + largest_sum(size, fits[i - 1])}))
+            fit = f"{phase}, its fits"                  # after the pass: its sums stay, the batch is gone
+            rows.append((fit, f"{what}, {str(stats_dtype).replace('torch.', '')}", {devices[0]: size}))
+            rows.append((fit, "ridge fit temporaries (float64: selections, eigh, R^2)",
+                         {devices[0]: ridge_bytes(*fits[i - 1])}))
+            if i == len(passes):                        # each W leaves the device as it is fitted
+                for ph in (phase, fit):
+                    rows.append((ph, f"fitted W and b (float32), up to all {tgt_cfg.n_layers} target layers",
+                                 {host: mapper32}))
         kv = [kv_bytes(cfg, devices, calib_len, dtype, copies=c) for cfg, c in ((src_cfg, 2), (tgt_cfg, 4))]
         queries = per_layer(tgt_cfg.n_layers, devices, lambda l: calib_len * tgt_cfg.n_heads * tgt_cfg.head_dim * nbytes(dtype))
         rows.append(("diagnostics", f"source, target and mapped KV, {calib_len} tokens", add(*kv)))
@@ -167,10 +188,76 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
     n = batch * context
     rows += [("transfer", f"source KV, {batch} x {context} tokens", kv_bytes(src_cfg, devices, n, dtype)),
              ("transfer", f"mapped KV, {batch} x {context} tokens", kv_bytes(tgt_cfg, devices, n, dtype)),
-             ("transfer", f"mapper, {scope} scope, k={k} (float32)", mapper_bytes(src_cfg, tgt_cfg, scope, k, devices)),
+             ("transfer", f"mapper, {scope} scope, k={k} ({name}, as used)",
+              mapper_bytes(src_cfg, tgt_cfg, scope, k, devices, dtype)),
              ("transfer", "position-free source KV (float32)", working_bytes(src_cfg, tgt_cfg, devices, n)),
              ("transfer", "activations, one layer", activation_bytes((src_cfg, tgt_cfg), devices, n, dtype))]
+    if bench:  # kvt.bench: both models' caches of the context kept, then each direction timed in turn
+        T, act = context, activation_bytes((src_cfg, tgt_cfg), devices, context, dtype)
+        mappers = add(mapper_bytes(src_cfg, tgt_cfg, scope, k, devices, dtype),
+                      mapper_bytes(tgt_cfg, src_cfg, scope, min(k, tgt_cfg.n_layers), devices, dtype))
+        for phase, a, b, kept in (("bench, forward", src_cfg, tgt_cfg, (src_cfg, tgt_cfg)),
+                                  ("bench, back", tgt_cfg, src_cfg, (tgt_cfg,))):
+            rows += [(phase, f"{'source and target' if len(kept) == 2 else 'target'} KV of {T} tokens, kept",
+                      add(*(kv_bytes(c, devices, T, dtype) for c in kept))),
+                     (phase, "timed: the prefill's KV and activations, or the map's KV and working set",
+                      most(add(kv_bytes(b, devices, T, dtype), act),
+                           add(kv_bytes(b, devices, T, dtype), working_bytes(a, b, devices, T)))),
+                     (phase, f"mappers both ways ({name})", mappers),
+                     (phase, "copy-rate buffers (bench.copier)", {devices[0]: 2 * 512 * 2**20})]
     return Plan(dict(options, src_cfg=src_cfg, tgt_cfg=tgt_cfg), rows, list(dict.fromkeys(devices)))
+
+
+HOST = "host"   # the host's memory, a column of its own beside the devices (not checked against a GPU's)
+
+
+def fit_shapes(src_cfg, tgt_cfg, scope, k=8, candidates=None, group=None):
+    """Per calibration pass, the largest ridge sub-fit it makes: (G, features in the pass, outputs in the
+    pass, features of one sub-fit, outputs of one sub-fit), as ridge.single_layer_r2 (one source layer onto
+    every target layer of the pass) and ridge.fit_layers (k source layers onto one target layer) cut them."""
+    C, Lt = len(candidate_layers(src_cfg.n_layers, candidates)), tgt_cfg.n_layers
+    k = min(k, C)
+    matched = matched_kv(src_cfg, tgt_cfg)
+    G, bx, by = groups(src_cfg, tgt_cfg, "head" if matched else "layer")
+    single = (G, C * bx, Lt * by, bx, Lt * by)
+    final = (G, C * bx, Lt * by, k * bx, by)
+    out = [max(single, final, key=lambda f: ridge_bytes(*f))]
+    if scope == "layer" and matched:
+        G, bx, by = groups(src_cfg, tgt_cfg, "layer")
+        from kvt.stats import layer_group_bound
+        U, g = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
+        out[0] = single                                        # the head-level pass only selects
+        out.append((G, U * bx, g * by, k * bx, by))
+    return out
+
+
+def ridge_bytes(G, F_all, O_all, F, O):
+    """Bytes at most held by one ridge sub-fit of F features onto O outputs out of sums over F_all
+    features and O_all outputs (float64), G groups at once: the fit and validation selections
+    (Sums.select, each F^2 + F O; the second made while the first is held, through an intermediate of
+    F x F_all and F x O_all), then eigen's centered matrix, correlation matrix, eigenvectors and eigh's
+    workspace (about 2 F^2) beside them, then R^2's full Gram matrix and W-sized products."""
+    sel = F * F + F * O
+    select = sel + F * F_all + F * O_all + sel
+    eig = 2 * sel + 5 * F * F + F * O
+    r2 = 2 * sel + F * F + F * O + 3 * F * F + 4 * F * O
+    return 8 * G * max(select, eig, r2)
+
+
+def largest_sum(size, fit):
+    """The largest single tensor of a pass's sums (its xx, float64 at most), which safetensors holds a
+    second copy of while it writes it."""
+    G, F_all, O_all = fit[:3]
+    return min(size, 8 * G * max(F_all * F_all, F_all * O_all))
+
+
+def most(*dicts):
+    """{device: the largest of the dicts' bytes there}."""
+    out = {}
+    for d in dicts:
+        for key, v in d.items():
+            out[key] = max(out.get(key, 0), v)
+    return out
 
 
 def add(*dicts):
@@ -298,16 +385,18 @@ def format_plan(p, cap=None, title="source -> target"):
     head = (f"memory plan: {title}, {o['scope']} scope, k={k}, {o['batch']} x {o['context']} tokens" +
             (f", calibration {o['calib_batch']} x {o['calib_len']} tokens in {passes} pass{'es' * (passes > 1)}"
              if o["calibrate"] else ""))
-    cols = "".join(f"{d:>10}" for d in p.devices)
-    lines = [head, f"{'phase':<20} {'what':<70}{cols}   GiB"]
+    cols = [*p.devices, *([HOST] if HOST not in p.devices and p.host() else [])]
+    lines = [head, f"{'phase':<28} {'what':<72}" + "".join(f"{d:>10}" for d in cols) + "   GiB"]
     for phase, what, where in p.rows:
-        lines.append(f"{phase:<20} {what:<70}" + "".join(f"{where.get(d, 0) / GiB:10.2f}" for d in p.devices))
-    need = p.need()
-    lines.append(f"{'need':<20} {'weights + largest phase':<70}" + "".join(f"{need[d] / GiB:10.2f}" for d in p.devices))
+        lines.append(f"{phase:<28} {what:<72}" + "".join(f"{where.get(d, 0) / GiB:10.2f}" for d in cols))
+    need = dict(p.need(), **{HOST: p.host()})
+    lines.append(f"{'need':<28} {'weights + largest phase (host: largest phase)':<72}" +
+                 "".join(f"{need[d] / GiB:10.2f}" for d in cols))
     if cap:
-        lines.append(f"{'usable':<20} {f'{USABLE:.0%} of each device':<70}" +
+        lines.append(f"{'usable':<28} {f'{USABLE:.0%} of each device':<72}" +
                      "".join(f"{USABLE * cap[d] / GiB:10.2f}" for d in p.devices))
-        lines.append("fits" if fits(p, cap) else "does NOT fit")
+        spare = min(1 - need[d] / cap[d] for d in p.devices)
+        lines.append(f"fits, {spare:.1%} of the fullest device to spare" if fits(p, cap) else "does NOT fit")
     return "\n".join(lines)
 
 
