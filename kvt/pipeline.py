@@ -35,6 +35,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -52,7 +53,7 @@ from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagno
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
-from kvt.plan import capacity, check_plan, format_plan, plan, split_to_fit
+from kvt.plan import capacity, check_plan, disk_plan, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
 from kvt.summary import CORPUS, average_retention, coqa_agreement, coqa_turns, lm_eval_results, summarize
 from kvt.weights import fingerprint
@@ -216,11 +217,31 @@ def mapper_key(args, stats):
             "lambda": args.lam, "mapper": args.mapper}
 
 
+def mapper_name(args, skey):
+    key = mapper_key(args, skey)
+    return f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
+
+
+def check_disk(out, plans, args, skeys):
+    """Refuse, in one line, a run whose output folder lacks the space its calibrations need at most at
+    once (plan.disk_plan; mappers already saved need none, statistics already there count as space)."""
+    need, kept = 0, 0
+    for p, skey in zip(plans, skeys):
+        rows = disk_plan(p)
+        if not (out / f"mapper-{mapper_name(args, skey)}.safetensors").exists():
+            need = max(need, kept + sum(n for _, n in rows))
+            kept += rows[-1][1]                                   # its mapper file stays
+    have = shutil.disk_usage(out).free + sum(f.stat().st_size for f in out.glob("stats-*"))
+    if need > have:
+        raise KvtError(f"the output folder {out} has {have / 1e9:.1f} GB free and calibration needs up to "
+                       f"{need / 1e9:.1f} GB at once (memory plan, disk); free space or choose another --out")
+    return need
+
+
 def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
     """Load the mapper made from these settings in OUT, or calibrate and save it (statistics checkpointed
     under a name of their own, so another lambda, k or mapper type reads them again)."""
-    key = mapper_key(args, skey)
-    name = f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
+    key, name = mapper_key(args, skey), mapper_name(args, skey)
     path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
@@ -435,7 +456,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
                                                                       if "coqa" in task_names else []):
         plans[names] = split_to_fit(plan(a, b, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
                                          dtype, devices, calib_len=args.calib_len,
-                                         stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates), cap)
+                                         stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
+                                         bench=args.bench and not plans), cap)
         if dist.rank() == 0:
             print(format_plan(plans[names], cap, " -> ".join(names)))
     for p in plans.values():
@@ -445,6 +467,11 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
+    skeys = [skey] + ([stats_key(args, tgt_dir, src_dir, calib)] if len(plans) > 1 else [])
+    disk = check_disk(out, plans.values(), args, skeys)
+    if dist.rank() == 0:
+        print(f"disk: calibration writes up to {disk / 1e9:.1f} GB at once under {out} "
+              f"({'kept' if args.keep_stats else 'statistics deleted once each mapper is saved'})")
     source = kvt.load_model(src_dir, dtype, devices=devices)
     target = kvt.load_model(tgt_dir, dtype, devices=devices)
     print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")

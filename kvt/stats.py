@@ -270,7 +270,8 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     with `final`, once complete; a run that finds a checkpoint resumes from it (one made for other data,
     another plan or another key is refused). Saves land on flush points only, so a resumed run adds in
     the order an unbroken one does: bit-identical sums. final=False leaves the complete sums unsaved (a
-    caller that saves what it fits from them instead; the last checkpoint stays for it to delete).
+    caller that saves what it fits from them instead; the last checkpoint stays for it to delete), and
+    deletes a checkpoint before writing the next, so the disk never holds two of them.
     products: the dtype of the per-batch products.
 
     Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the
@@ -312,6 +313,8 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
             saved = time.monotonic()
             all_reduce_(stats)
             if dist.rank() == 0:
+                if not final and Path(path).exists():     # the disk holds one checkpoint of a pass whose
+                    os.remove(path)                       # result the caller keeps, not two while rewriting
                 save_stats(stats, path)
             else:
                 zero_(stats)                              # the totals count once: on rank 0
