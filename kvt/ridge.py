@@ -35,13 +35,14 @@ def eigen(s):
     """The fit of Sums s, ready for any lambda: (e (G, F), Q (G, F, F), A = Q^T S^-1 C_xy (G, F, O),
     1/std (G, F), mx (G, F), my (G, O)); see the module docstring."""
     mx, my = s.sx / s.n, s.sy / s.n                                  # (G, F), (G, O)
-    cxx = s.gram() / s.n - mx[:, :, None] * mx[:, None, :]           # (G, F, F)
-    cxy = s.xy / s.n - mx[:, :, None] * my[:, None, :]               # (G, F, O)
-    var = cxx.diagonal(dim1=1, dim2=2)                               # (G, F)
+    cxx = s.gram().div_(s.n).sub_(mx[:, :, None] * mx[:, None, :])   # (G, F, F); in place: F x F matrices
+    cxy = s.xy / s.n - mx[:, :, None] * my[:, None, :]               # (G, F, O)   are the fit's largest
+    var = cxx.diagonal(dim1=1, dim2=2).clone()                       # (G, F)
     live = var > 1e-12 * var.amax(-1, keepdim=True).clamp_min(1e-300)
     inv_std = torch.where(live, var.clamp_min(1e-300).rsqrt(), torch.zeros_like(var))  # constant features: 0
-    R = cxx * inv_std[:, :, None] * inv_std[:, None, :]              # (G, F, F) correlation matrix
+    R = cxx.mul_(inv_std[:, :, None]).mul_(inv_std[:, None, :])      # (G, F, F) correlation matrix, in cxx's place
     e, Q = torch.linalg.eigh(R)                                      # R = Q diag(e) Q^T
+    del R, cxx
     return e, Q, Q.transpose(1, 2) @ (cxy * inv_std[:, :, None]), inv_std, mx, my
 
 
