@@ -115,3 +115,85 @@ def test_plan_bounds_a_ridge_fit():
     selected = torch.tensor([[0, 2], [1, 3]])
     got = measured(lambda: ridge.fit_layers(stats, "k", selected, (1e-3,)))
     check_bound(got, ridge_bytes(1, 4 * bx, 2 * by, 2 * bx, by), "ridge fit")
+
+
+# ---- the run's files: statistics deleted once used, fits resumed, disk checked, the gate on the used mapper --
+
+RUN_ARGS = ["--tasks", "toy_recall", "--limit", "4", "--calib-seqs", "12", "--calib-len", "40", "--k", "2", "--no-bench"]
+
+
+def test_statistics_are_deleted_once_the_mapper_is_saved_unless_kept(tiny_pair, tmp_path):
+    """Guards: statistics files left behind by every run (tens of GiB each on a real pair), or deleted
+    although --keep-stats asked to keep them."""
+    argv = ["--source", str(tiny_pair / "source"), "--target", str(tiny_pair / "twin")] + RUN_ARGS
+    pipeline.main(argv + ["--out", str(tmp_path / "a")])
+    assert not list((tmp_path / "a").glob("stats-*")) and len(list((tmp_path / "a").glob("mapper-*"))) == 1
+    pipeline.main(argv + ["--out", str(tmp_path / "b"), "--keep-stats"])
+    kept = {f.name.split(".", 1)[1].split("-")[0] for f in (tmp_path / "b").glob("stats-*")}
+    assert kept == {"pass1", "pass2", "fit"}, kept
+
+
+def test_layer_passes_resume_from_their_fits_and_drop_their_statistics(tmp_path):
+    """keep_stats=False: each layer-level pass leaves its fits (small) and no statistics, and a rerun
+    fits the same mapper from those and the first pass without running the models again. Guards: a
+    complete layer pass written to disk (36 GiB each on Qwen3 14B -> 32B), or its fits not reused."""
+    cfg = tiny_config("llama", n_layers=3)
+    source = kvt.build_model(cfg, seed=0)
+    target = kvt.build_model(tiny_config("llama", n_layers=3), seed=1)
+    calib = calib_of(torch.randint(0, 128, (14, 24), generator=torch.Generator().manual_seed(0)))
+    first, _ = calibrate(source, target, calib, scope="layer", k=2, group=1, checkpoint=tmp_path / "s", key="a",
+                         keep_stats=False, progress=False)
+    assert (tmp_path / "s.pass1").exists() and not list(tmp_path.glob("s.pass2-*"))
+    assert len(list(tmp_path.glob("s.fit-*"))) >= 2
+
+    class Dead:                                   # a model that must not run: everything comes from files
+        config = source.config
+
+        def parameters(self):
+            return source.parameters()
+
+        def __call__(self, *a, **kw):
+            raise AssertionError("the models ran again")
+
+    again, _ = calibrate(Dead(), target, calib, scope="layer", k=2, group=1, checkpoint=tmp_path / "s", key="a",
+                         keep_stats=False, progress=False)
+    for name, t in first.tensors().items():
+        assert torch.equal(again.tensors()[name], t), name
+    with pytest.raises(KvtError, match="made for another pair or settings.*delete it"):
+        calibrate(Dead(), target, calib, scope="layer", k=2, group=1, checkpoint=tmp_path / "s", key="b",
+                  keep_stats=False, progress=False)
+
+
+def test_a_folder_short_of_disk_is_refused_in_one_line(tiny_pair, tmp_path, monkeypatch):
+    """Guards: an OSError deep in a calibration (hours in) on a disk too small for its checkpoints."""
+    free = type("Usage", (), {"free": 1000})
+    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda path: free)
+    argv = ["--source", str(tiny_pair / "source"), "--target", str(tiny_pair / "twin"), "--out", str(tmp_path / "o")]
+    with pytest.raises(KvtError) as e:
+        pipeline.main(argv + RUN_ARGS)
+    assert "has 0.0 GB free and calibration needs up to" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_gate_judges_the_mapper_as_evaluation_uses_it(tiny_pair, tmp_path, monkeypatch):
+    """Diagnostics and the gate see the mapper cast to the evaluation dtype. Guards: diagnosing the
+    float32 mapper while evaluation and the bench use it in bfloat16."""
+    seen = []
+    real = pipeline.diagnose
+    monkeypatch.setattr(pipeline, "diagnose", lambda s, t, m, ids: seen.append(m.W["k"].dtype) or real(s, t, m, ids))
+    argv = ["--source", str(tiny_pair / "source"), "--target", str(tiny_pair / "twin"), "--out", str(tmp_path / "o")]
+    results = pipeline.main(argv + RUN_ARGS + ["--dtype", "bfloat16"])
+    assert seen == [torch.bfloat16] and results["diagnostics"]["kl"] >= 0
+
+
+def test_the_headline_plan_meets_its_goals():
+    """kvt plan --pair qwen3-14b:32b --device h200: every mapper (CoQA's way back too) fits one H200 with
+    8% to spare in every phase, writes at most 100 GB at once and is estimated under 2 hours; the 32K
+    prefill estimate lands within 15% of the paper's 6.98 s. Guards: a plan that stopped counting a
+    resident tensor it once did, or defaults that no longer meet the goals."""
+    from kvt.plan import headline_times, rehearsal
+    src, tgt = shape("qwen3-14b"), shape("qwen3-32b")
+    text, got = rehearsal(src, tgt, ("qwen3-14b", "qwen3-32b"), context=32768)
+    assert got["spare"] >= 0.08 and got["disk"] <= 100e9 and got["seconds"] < 2 * 3600, got
+    prefill, _ = headline_times(src, tgt)
+    assert abs(prefill / 6.98 - 1) < 0.15
+    assert "qwen3-32b -> qwen3-14b" in text                   # the reverse mapper is planned too
