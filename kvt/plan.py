@@ -6,7 +6,7 @@
 
     p = split_to_fit(p, capacity(p.devices))  # layer scope: statistics in as few passes as fit
 
-    python -m kvt.plan --pair qwen3-14b:32b --gpu h200 --count 1   # without the hardware
+    kvt plan --pair qwen3-14b:32b --device h200    # the headline run on paper: memory, host, disk, time
     python -m kvt.plan --pair qwen3-14b:32b --summary              # H100/H200 x 1, 2, 4, 8
 
 Every row is a closed-form count of numbers times bytes per number, on the device where kvt puts it.
@@ -26,10 +26,17 @@ the first, the final norm and lm_head on the last. With C = dim, F = ffn_dim, V 
   activations  one layer's forward: N * (3*F + 4*C) in the model dtype, on each device holding layers
 
   diagnostics  source, target and mapped KV of one calibration-length sequence, and the target's queries
+  ridge fits   after each pass, beside its sums: the largest sub-fit's selections, eigh's matrices and
+               R^2's Gram matrix (ridge_bytes; each fitted W leaves the device in float32 as it is made)
+  host         a statistics checkpoint while safetensors writes it, and the fitted W and b (float32)
+  bench        both models' KV of the longest context kept, each direction's timed steps, both mappers
 
-A device needs its weights plus the largest of its phases: calibration pass 1, calibration pass 2
-(one after the other; the first is freed), diagnostics and transfer (source KV, mapped KV, mapper,
-working set, activations). A check leaves 5% of each device for the CUDA context and allocator slack. Not counted:
+A device needs its weights plus the largest of its phases: each calibration pass, then its fits (one
+after the other; each pass is freed before the next), diagnostics, transfer (source KV, mapped KV,
+mapper, working set, activations) and the bench. A check leaves 8% of each device for the CUDA context,
+cuBLAS and cuSOLVER workspaces and allocator slack. disk_plan counts the output folder's files at most
+at once, estimate the time of each phase from FLOPs and bytes at a GPU's rates, and rehearsal prints
+it all for every mapper a run fits (CoQA's way back too). Not counted:
 attention scores when SDPA has no fused kernel (CPU prefill holds B*H*T^2 of them), full-sequence
 logits (kvt asks for the last position's only), and the MLP backstop.
 """
