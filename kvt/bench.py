@@ -129,7 +129,8 @@ def random_mapper(src_cfg, tgt_cfg, scope="layer", k=8, dtype=torch.float32, dev
     b = bias * torch.randn(tgt_cfg.n_layers, G, By, generator=g)
     m = Mapper(scope, src_cfg, tgt_cfg, {kind: layers for kind in KINDS}, {kind: W for kind in KINDS},
                {kind: b for kind in KINDS})
-    return m.to(device=device, dtype=dtype)
+    return m._with(lambda x: x.to(device, dtype) if x.is_floating_point() else x)  # selections stay on the
+    # host, as a fitted mapper's do: apply reads them with .tolist(), a host sync per read if on a GPU
 
 
 def sync(device):
@@ -182,10 +183,29 @@ def median_times(fns, device, repeats):
     return [Timing(ts) for ts in times]
 
 
+def reset_peak_memory(device):
+    """Start peak_memory_gb's count afresh: CUDA's peak allocation, or on a CPU the process's peak
+    resident memory (Linux: /proc/self/clear_refs; elsewhere the peak stays the process's)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_memory_gb(device):
+    """GiB at most allocated on a CUDA device, or resident in this process on a CPU, since the last
+    reset_peak_memory (or the process's start)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20  # KiB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 def token_ids(lengths, vocab_size, device, seed=0):
@@ -273,6 +293,7 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     recompute budget: the speedup divides two times taken side by side."""
     small = build(names[0])
     device = next(small.parameters()).device
+    reset_peak_memory(device)                                     # peak_gb: the bench's own peak
     ids = token_ids(lengths, small.config.vocab_size, device)
     prefill, transfer, recompute, mapping, itemsize, copies = {}, {}, {}, {}, {}, {}
     copy, copy_bytes = copier(device)

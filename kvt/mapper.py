@@ -34,7 +34,7 @@ from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv, matched_kv
-from kvt.stats import (KINDS, accumulate, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
+from kvt.stats import (KINDS, SAVE_S, accumulate, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
                        new_stats, sums_bytes)
 
 
@@ -225,7 +225,7 @@ def target_groups(selected, bx, by, bound):
 
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, checkpoint=None, key="",
               stats_device=None, tokenizer="", progress=True, products=torch.float32, stats_dtype=torch.float64,
-              candidates=None, group=None):
+              candidates=None, group=None, keep_stats=True, save_s=SAVE_S):
     """Fit a ridge Mapper from source to target on a data.Calibration (fit and validation regions).
 
     1. statistics over the candidate source layers (head-level when the pair has matched KV);
@@ -235,9 +235,13 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     4. ridge per target layer and kind at `lam`, or (lam=None) at the lambda of ridge.LAMBDAS with the
        best validation R^2.
     checkpoint: a path prefix; each pass's statistics are saved there (CHECKPOINT.pass1, and
-    CHECKPOINT.pass2-<id of its layers>) and resumed from, or reused by a calibration that needs the same
-    sums (another lambda, k or mapper); refused if made for another `key` (run.py passes what the sums
-    depend on: both checkpoints' weights, the calibration tokens, the statistics' dtype).
+    CHECKPOINT.pass2-<id of its layers>) every `save_s` seconds and once complete, and resumed from, or
+    reused by a calibration that needs the same sums (another lambda, k or mapper); refused if made for
+    another `key` (run.py passes what the sums depend on: both checkpoints' weights, the calibration
+    tokens, the statistics' dtype). With keep_stats=False a layer-level pass is not saved complete: its
+    fits are (CHECKPOINT.fit-<id>-<id of the fit>, a few hundred MiB), and its statistics checkpoint is
+    deleted, so the disk holds the first pass and at most one other (the caller deletes the rest once
+    the mapper is saved).
     products: dtype of the per-batch statistics products; stats_dtype: dtype of the sums (float32 halves
     their memory); candidates: how many source layers, spread evenly, to select from (default all).
     Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
@@ -254,13 +258,14 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
                            device)
         print(f"calibration memory plan ({scope} scope, k={k}):\n{describe_plan(plan)}")
 
-    def run_pass(name, scope_, src_layers=None, tgt_layers=None):
+    def run_pass(name, scope_, src_layers=None, tgt_layers=None, final=True):
         stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device, stats_dtype, key)
         return accumulate(source, target, calib, stats, batch_size, checkpoint and f"{checkpoint}.{name}",
-                          progress=progress, products=products)
+                          save_s=save_s, final=final, progress=progress, products=products)
 
+    skipped = {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}  # singular lambdas
     stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, candidates))
-    r2_single = {kind: ridge.single_layer_r2(stats, kind, lams) for kind in KINDS}
+    r2_single = {kind: ridge.single_layer_r2(stats, kind, lams, skipped["select"][kind]) for kind in KINDS}
     selected = {kind: ridge.select_layers(r2_single[kind], stats.src_layers, k) for kind in KINDS}
     fits = {kind: {} for kind in KINDS}
     if scope == "layer" and matched:
@@ -270,23 +275,79 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         for i, targets in enumerate(parts):
             union = sorted({l for kind in KINDS for t in targets for l in selected[kind][t].tolist()})
             plan_id = hashlib.sha256(json.dumps([union, targets]).encode()).hexdigest()[:8]
-            stats = run_pass(f"pass2-{plan_id}", "layer", union, targets)   # named by what it sums: reusable
-            for kind in KINDS:
-                fits[kind].update(ridge.fit_layers(stats, kind, selected[kind], lams))
-            del stats
+            fit_id = hashlib.sha256(json.dumps([lams, {kind: selected[kind][targets].tolist() for kind in KINDS}])
+                                    .encode()).hexdigest()[:8]
+            done = checkpoint and f"{checkpoint}.fit-{plan_id}-{fit_id}"   # this group's fits, once made
+            got = load_fits(done, key)
+            if got is None:
+                stats = run_pass(f"pass2-{plan_id}", "layer", union, targets, final=keep_stats)  # named by what it sums
+                skip = {kind: {} for kind in KINDS}
+                got = ({kind: ridge.fit_layers(stats, kind, selected[kind], lams, skip[kind], host=True)
+                        for kind in KINDS}, skip)
+                del stats
+                if done and dist.rank() == 0:
+                    save_fits(done, *got, key)
+                    if not keep_stats and os.path.exists(f"{checkpoint}.pass2-{plan_id}"):
+                        os.remove(f"{checkpoint}.pass2-{plan_id}")                   # its fits hold what it gave
+            for kind in KINDS:                         # each W left the device as it was fitted
+                fits[kind].update(got[0][kind])
+                skipped["fit"][kind].update(got[1][kind])
     else:
         for kind in KINDS:
-            fits[kind] = ridge.fit_layers(stats, kind, selected[kind], lams)
+            fits[kind] = ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
     layers = range(tgt_cfg.n_layers)
-    W = {kind: torch.stack([fits[kind][t][0] for t in layers]).float().cpu() for kind in KINDS}   # (Lt, G, k*Bx, By)
-    b = {kind: torch.stack([fits[kind][t][1] for t in layers]).float().cpu() for kind in KINDS}   # (Lt, G, By)
+    W = {kind: torch.stack([fits[kind][t][0] for t in layers]) for kind in KINDS}   # (Lt, G, k*Bx, By) float32, CPU
+    b = {kind: torch.stack([fits[kind][t][1] for t in layers]) for kind in KINDS}   # (Lt, G, By)
     r2 = {kind: torch.tensor([fits[kind][t][2] for t in layers], dtype=torch.float64) for kind in KINDS}
     lam_used = {kind: [fits[kind][t][3] for t in layers] for kind in KINDS}
     meta = {"k": k, "lambda": lam_used, "tokenizer": tokenizer, "calib_sequences": len(calib.fit),
             "calib_len": calib.fit.shape[1], "calib": calib.hash(), "r2": {kind: r2[kind].tolist() for kind in KINDS}}
+    if any(layers_ for step in skipped.values() for layers_ in step.values()):
+        meta["lambda_skipped"] = skipped               # {step: {kind: {layer: [lambdas]}}}
+        if dist.rank() == 0:
+            print(f"warning: ridge skipped lambdas whose system is singular: {skipped_text(skipped)}")
     mapper = Mapper(scope, src_cfg, tgt_cfg, selected, W, b, meta=meta)
     report = {"r2_single": r2_single, "r2": r2, "lambda": lam_used}
     return mapper, report
+
+
+FITS = "kvt-fits-1"
+
+
+def save_fits(path, fits, skipped, key):
+    """Write one layer-level pass's fits ({kind: {target layer: (W, b, R^2, lambda)}}, float32 on the CPU)
+    and its skipped lambdas ({kind: {target layer: [lambdas]}}) atomically, marked with `key`."""
+    tensors = {f"{kind}.{name}.{t}": x.contiguous() for kind, by in fits.items() for t, f in by.items()
+               for name, x in (("W", f[0]), ("b", f[1]))}
+    info = {kind: {t: [f[2], f[3], skipped[kind].get(t)] for t, f in by.items()} for kind, by in fits.items()}
+    save_file(tensors, f"{path}.tmp", metadata={"format": FITS, "key": key, "fits": json.dumps(info)})
+    os.replace(f"{path}.tmp", path)
+
+
+def load_fits(path, key):
+    """(fits, skipped) as save_fits wrote them, or None when there is no such file; refuses one made for
+    another key, or unreadable, in one line."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta, t = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise KvtError(f"fit checkpoint {path} is unreadable ({str(e).splitlines()[0]}); delete it to fit again")
+    if meta.get("format") != FITS or meta.get("key") != key:
+        raise KvtError(f"fit checkpoint {path} was made for another pair or settings; delete it to fit again")
+    info = json.loads(meta["fits"])
+    fits = {kind: {int(l): (t[f"{kind}.W.{l}"], t[f"{kind}.b.{l}"], r2, lam) for l, (r2, lam, _) in by.items()}
+            for kind, by in info.items()}
+    skipped = {kind: {int(l): bad for l, (_, _, bad) in by.items() if bad} for kind, by in info.items()}
+    return fits, skipped
+
+
+def skipped_text(skipped):
+    """One line: which lambdas were skipped where (calibrate's meta["lambda_skipped"])."""
+    where = {"select": "source layer", "fit": "target layer"}
+    return "; ".join(f"{kind.upper()} {where[step]} {l} at {', '.join(f'{lam:g}' for lam in lams)}"
+                     for step, kinds in skipped.items() for kind, by in kinds.items() for l, lams in by.items())
 
 
 def sample_features(source, target, ids, max_bytes=2 * 2**30, scope="head", seed=0, progress=False):

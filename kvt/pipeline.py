@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -53,7 +54,7 @@ from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagno
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
 from kvt.model import layer_devices
-from kvt.plan import capacity, check_plan, eval_batch, format_plan, plan, split_to_fit
+from kvt.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
 from kvt.summary import CORPUS, average_retention, coqa_agreement, coqa_turns, lm_eval_results, summarize
 from kvt.weights import fingerprint
@@ -118,6 +119,8 @@ def parse_args(argv=None):
     ap.add_argument("--context", type=int, help="longest context to plan memory for (default: the longest bench length)")
     ap.add_argument("--stats-dtype", choices=["float64", "float32"], default="float64",
                     help="calibration statistics (float32 halves them; solves stay float64)")
+    ap.add_argument("--keep-stats", action="store_true", help="keep the calibration statistics files once the "
+                    "mapper is saved (tens of GiB on a large pair; another --lam or --k reuses them)")
     ap.add_argument("--candidates", type=int, help="consider only this many evenly spaced source layers")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -236,31 +239,55 @@ def mapper_key(args, stats):
             "lambda": args.lam, "mapper": args.mapper}
 
 
+def mapper_name(args, skey):
+    key = mapper_key(args, skey)
+    return f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
+
+
+def check_disk(out, plans, args, skeys):
+    """Refuse, in one line, a run whose output folder lacks the space its calibrations need at most at
+    once (plan.disk_plan; mappers already saved need none, statistics already there count as space)."""
+    need, kept = 0, 0
+    for p, skey in zip(plans, skeys):
+        rows = disk_plan(p)
+        if not (out / f"mapper-{mapper_name(args, skey)}.safetensors").exists():
+            need = max(need, kept + sum(n for _, n in rows))
+            kept += rows[-1][1]                                   # its mapper file stays
+    have = shutil.disk_usage(out).free + sum(f.stat().st_size for f in out.glob("stats-*"))
+    if need > have:
+        raise KvtError(f"the output folder {out} has {have / 1e9:.1f} GB free and calibration needs up to "
+                       f"{need / 1e9:.1f} GB at once (memory plan, disk); free space or choose another --out")
+    return need
+
+
 def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
     """Load the mapper made from these settings in OUT, or calibrate and save it (statistics checkpointed
     under a name of their own, so another lambda, k or mapper type reads them again)."""
-    key = mapper_key(args, skey)
-    name = f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
+    key, name = mapper_key(args, skey), mapper_name(args, skey)
     path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
         return load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_hash(key)).to(dtype=dtype), name
-    mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam,
-                               checkpoint=out / f"stats-{short_hash(skey)}", key=short_hash(skey),
-                               tokenizer=tok.fingerprint(), group=group,
+    stats = out / f"stats-{short_hash(skey)}"
+    mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=stats,
+                               key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
                                stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
-                               progress=dist.rank() == 0)
+                               progress=dist.rank() == 0, keep_stats=args.keep_stats)
     if args.mapper in MLP_MODES:
         mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0,
                          checkpoint=out / f"mlp-{name}", key=short_hash(key))
-    mapper.meta["diagnostics"] = diagnose(source, target, mapper, calib.diag)  # a region no choice has seen
+    used = mapper.to(dtype=dtype)                                   # the mapper as evaluation and the bench use it
+    mapper.meta["diagnostics"] = diagnose(source, target, used, calib.diag)  # on a region no choice has seen
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
     mapper.meta["key"] = short_hash(key)
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
         save_mapper(mapper, path)
         for f in out.glob(f"mlp-{name}-*.safetensors"):             # the mapper file holds the MLPs now
             f.unlink()
-    return mapper.to(dtype=dtype), name
+        for f in [] if args.keep_stats else out.glob(f"{stats.name}.*"):   # its statistics and fits, too
+            f.unlink()
+    used.meta = mapper.meta
+    return used, name
 
 
 # ---- records ---------------------------------------------------------------------------------------------
@@ -497,18 +524,29 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
                                   cache=None if toy_text else out, progress=dist.rank() == 0)
     skey = stats_key(args, src_dir, tgt_dir, calib)
     cap = capacity(devices)
-    memory = split_to_fit(plan(src_cfg, tgt_cfg, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
-                               dtype, devices, calib_len=args.calib_len, stats_dtype=getattr(torch, args.stats_dtype),
-                               candidates=args.candidates), cap)
-    if dist.rank() == 0:
-        print(format_plan(memory, cap, f"{src_name} -> {tgt_name}"))
-    check_plan(memory, cap)
+    plans = {}                                     # the plan of every mapper this run fits, checked before any of it
+    for a, b, names in [(src_cfg, tgt_cfg, (src_name, tgt_name))] + ([(tgt_cfg, src_cfg, (tgt_name, src_name))]
+                                                                      if "coqa" in task_names else []):
+        plans[names] = split_to_fit(plan(a, b, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
+                                         dtype, devices, calib_len=args.calib_len,
+                                         stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
+                                         bench=args.bench and not plans), cap)
+        if dist.rank() == 0:
+            print(format_plan(plans[names], cap, " -> ".join(names)))
+    for p in plans.values():
+        check_plan(p, cap)
+    memory = plans[src_name, tgt_name]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
     if not os.access(out, os.W_OK | os.X_OK):
         raise KvtError(f"cannot write into the output folder {out} (permission denied); choose another --out")
+    skeys = [skey] + ([stats_key(args, tgt_dir, src_dir, calib)] if len(plans) > 1 else [])
+    disk = check_disk(out, plans.values(), args, skeys)
+    if dist.rank() == 0:
+        print(f"disk: calibration writes up to {disk / 1e9:.1f} GB at once under {out} "
+              f"({'kept' if args.keep_stats else 'statistics deleted once each mapper is saved'})")
     source = kvt.load_model(src_dir, dtype, devices=devices)
     target = kvt.load_model(tgt_dir, dtype, devices=devices)
     print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")
@@ -536,7 +574,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     coqa = {}
     if "coqa" in task_names:  # the other direction: the large model hands the conversation to the small one
         back_key = stats_key(args, tgt_dir, src_dir, calib)
-        back, back_name = get_mapper(args, target, source, tok, calib, out, back_key, dtype)
+        back, back_name = get_mapper(args, target, source, tok, calib, out, back_key, dtype,
+                                     plans[tgt_name, src_name].options["group"])
         back = back.place(layer_devices(source))
         rev_header = dict(header, mapper=back_name)
         rev = run_tasks(args, {"coqa": items["coqa"]}, tok,

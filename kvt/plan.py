@@ -6,7 +6,7 @@
 
     p = split_to_fit(p, capacity(p.devices))  # layer scope: statistics in as few passes as fit
 
-    python -m kvt.plan --pair qwen3-14b:32b --gpu h200 --count 1   # without the hardware
+    kvt plan --pair qwen3-14b:32b --device h200    # the headline run on paper: memory, host, disk, time
     python -m kvt.plan --pair qwen3-14b:32b --summary              # H100/H200 x 1, 2, 4, 8
 
 Every row is a closed-form count of numbers times bytes per number, on the device where kvt puts it.
@@ -26,10 +26,17 @@ the first, the final norm and lm_head on the last. With C = dim, F = ffn_dim, V 
   activations  one layer's forward: N * (3*F + 4*C) in the model dtype, on each device holding layers
 
   diagnostics  source, target and mapped KV of one calibration-length sequence, and the target's queries
+  ridge fits   after each pass, beside its sums: the largest sub-fit's selections, eigh's matrices and
+               R^2's Gram matrix (ridge_bytes; each fitted W leaves the device in float32 as it is made)
+  host         a statistics checkpoint while safetensors writes it, and the fitted W and b (float32)
+  bench        both models' KV of the longest context kept, each direction's timed steps, both mappers
 
-A device needs its weights plus the largest of its phases: calibration pass 1, calibration pass 2
-(one after the other; the first is freed), diagnostics and transfer (source KV, mapped KV, mapper,
-working set, activations). A check leaves 5% of each device for the CUDA context and allocator slack. Not counted:
+A device needs its weights plus the largest of its phases: each calibration pass, then its fits (one
+after the other; each pass is freed before the next), diagnostics, transfer (source KV, mapped KV,
+mapper, working set, activations) and the bench. A check leaves 8% of each device for the CUDA context,
+cuBLAS and cuSOLVER workspaces and allocator slack. disk_plan counts the output folder's files at most
+at once, estimate the time of each phase from FLOPs and bytes at a GPU's rates, and rehearsal prints
+it all for every mapper a run fits (CoQA's way back too). Not counted:
 attention scores when SDPA has no fused kernel (CPU prefill holds B*H*T^2 of them), full-sequence
 logits (kvt asks for the last position's only), and the MLP backstop.
 """
@@ -40,10 +47,11 @@ from dataclasses import dataclass
 import torch
 
 from kvt.config import KvtError, check_matched_kv, matched_kv, parse_pair, shape
-from kvt.stats import candidate_layers, groups, memory_plan
+from kvt.stats import candidate_layers, groups, layer_group_bound, memory_plan, sums_bytes
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
-USABLE = 0.95                                            # of each device; the rest: CUDA context, fragmentation
+USABLE = 0.92                                            # of each device; the rest: CUDA context, cuBLAS and
+                                                         # cuSOLVER workspaces, the allocator's fragmentation
 GiB = 2**30
 
 
@@ -59,6 +67,11 @@ class Plan:
 
     def phases(self):
         return {ph for ph, _, _ in self.rows} - {"weights"}
+
+    def host(self):
+        """Bytes of host memory at most: the largest phase of the HOST column (weights stream in from
+        memory-mapped files one tensor at a time, not counted)."""
+        return max((self.total(ph, HOST) for ph in self.phases()), default=0)
 
     def need(self):
         """{device: bytes}: the weights plus the largest phase on that device."""
@@ -137,16 +150,19 @@ def working_bytes(src_cfg, tgt_cfg, devices, tokens, dtype=torch.float32):
 
 
 def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat16, devices=("cpu",), batch=1,
-         calib_len=1024, calib_batch=1, stats_dtype=torch.float64, candidates=None, calibrate=True, group=None):
+         calib_len=1024, calib_batch=1, stats_dtype=torch.float64, candidates=None, calibrate=True, group=None,
+         bench=False):
     """The memory plan of a run (see the module docstring): calibration (unless calibrate=False, when a
     saved mapper is reused) and transfer of `batch` contexts of `context` tokens, with both models in
-    `dtype` split over `devices` by model.place. group: layer-scope statistics in passes of at most
-    this many target layers' worth (see split_to_fit). Returns a Plan."""
+    `dtype` split over `devices` by model.place; with `bench`, kvt.bench's timing at that context too.
+    group: layer-scope statistics in passes of at most this many target layers' worth (see
+    split_to_fit). Host memory is planned in a column of its own (HOST). Returns a Plan."""
     options = dict(scope=scope, k=k, context=context, dtype=dtype, devices=list(devices), batch=batch,
                    calib_len=calib_len, calib_batch=calib_batch, stats_dtype=stats_dtype, candidates=candidates,
-                   calibrate=calibrate, group=group)
+                   calibrate=calibrate, group=group, bench=bench)
     check_matched_kv(src_cfg, tgt_cfg, scope)
     devices = [canonical(d) for d in devices]
+    host = "cpu" if "cpu" in devices else HOST                # a CPU run's host memory is its device's
     name = str(dtype).replace("torch.", "")
     rows = [("weights", f"source weights ({name})", weight_bytes(src_cfg, devices, dtype)),
             ("weights", f"target weights ({name})", weight_bytes(tgt_cfg, devices, dtype))]
@@ -154,12 +170,24 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
     if calibrate:
         n = calib_len * calib_batch
         passes = memory_plan(src_cfg, tgt_cfg, scope, k, n, candidates, stats_dtype, group, devices[0])
+        fits = fit_shapes(src_cfg, tgt_cfg, scope, k, candidates, group)
+        mapper32 = sum(mapper_bytes(src_cfg, tgt_cfg, scope, k, ["cpu"]).values())
         for i, (what, size) in enumerate(passes, 1):
             phase = f"calibration pass {i}"
             rows.append((phase, f"{what}, {str(stats_dtype).replace('torch.', '')}", {devices[0]: size}))
             kv = [kv_bytes(cfg, devices, n, dtype, copies=3) for cfg in (src_cfg, tgt_cfg)]
             rows.append((phase, f"KV of a calibration batch, {n} tokens", add(*kv)))
             rows.append((phase, "activations, one layer", activation_bytes((src_cfg, tgt_cfg), devices, n, dtype)))
+            rows.append((phase, "statistics checkpoint being written (safetensors)",
+                         {host: size + largest_sum(size, fits[i - 1])}))
+            fit = f"{phase}, its fits"                  # after the pass: its sums stay, the batch is gone
+            rows.append((fit, f"{what}, {str(stats_dtype).replace('torch.', '')}", {devices[0]: size}))
+            rows.append((fit, "ridge fit temporaries (float64: selections, eigh, R^2)",
+                         {devices[0]: ridge_bytes(*fits[i - 1])}))
+            if i == len(passes):                        # each W leaves the device as it is fitted
+                for ph in (phase, fit):
+                    rows.append((ph, f"fitted W and b (float32), up to all {tgt_cfg.n_layers} target layers",
+                                 {host: mapper32}))
         kv = [kv_bytes(cfg, devices, calib_len, dtype, copies=c) for cfg, c in ((src_cfg, 2), (tgt_cfg, 4))]
         queries = per_layer(tgt_cfg.n_layers, devices, lambda l: calib_len * tgt_cfg.n_heads * tgt_cfg.head_dim * nbytes(dtype))
         rows.append(("diagnostics", f"source, target and mapped KV, {calib_len} tokens", add(*kv)))
@@ -167,10 +195,75 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
     n = batch * context
     rows += [("transfer", f"source KV, {batch} x {context} tokens", kv_bytes(src_cfg, devices, n, dtype)),
              ("transfer", f"mapped KV, {batch} x {context} tokens", kv_bytes(tgt_cfg, devices, n, dtype)),
-             ("transfer", f"mapper, {scope} scope, k={k} (float32)", mapper_bytes(src_cfg, tgt_cfg, scope, k, devices)),
+             ("transfer", f"mapper, {scope} scope, k={k} ({name}, as used)",
+              mapper_bytes(src_cfg, tgt_cfg, scope, k, devices, dtype)),
              ("transfer", "position-free source KV (float32)", working_bytes(src_cfg, tgt_cfg, devices, n)),
              ("transfer", "activations, one layer", activation_bytes((src_cfg, tgt_cfg), devices, n, dtype))]
+    if bench:  # kvt.bench: both models' caches of the context kept, then each direction timed in turn
+        T, act = context, activation_bytes((src_cfg, tgt_cfg), devices, context, dtype)
+        mappers = add(mapper_bytes(src_cfg, tgt_cfg, scope, k, devices, dtype),
+                      mapper_bytes(tgt_cfg, src_cfg, scope, min(k, tgt_cfg.n_layers), devices, dtype))
+        for phase, a, b, kept in (("bench, forward", src_cfg, tgt_cfg, (src_cfg, tgt_cfg)),
+                                  ("bench, back", tgt_cfg, src_cfg, (tgt_cfg,))):
+            rows += [(phase, f"{'source and target' if len(kept) == 2 else 'target'} KV of {T} tokens, kept",
+                      add(*(kv_bytes(c, devices, T, dtype) for c in kept))),
+                     (phase, "timed: the prefill's KV and activations, or the map's KV and working set",
+                      most(add(kv_bytes(b, devices, T, dtype), act),
+                           add(kv_bytes(b, devices, T, dtype), working_bytes(a, b, devices, T)))),
+                     (phase, f"mappers both ways ({name})", mappers),
+                     (phase, "copy-rate buffers (bench.copier)", {devices[0]: 2 * 512 * 2**20})]
     return Plan(dict(options, src_cfg=src_cfg, tgt_cfg=tgt_cfg), rows, list(dict.fromkeys(devices)))
+
+
+HOST = "host"   # the host's memory, a column of its own beside the devices (not checked against a GPU's)
+
+
+def fit_shapes(src_cfg, tgt_cfg, scope, k=8, candidates=None, group=None):
+    """Per calibration pass, the largest ridge sub-fit it makes: (G, features in the pass, outputs in the
+    pass, features of one sub-fit, outputs of one sub-fit), as ridge.single_layer_r2 (one source layer onto
+    every target layer of the pass) and ridge.fit_layers (k source layers onto one target layer) cut them."""
+    C, Lt = len(candidate_layers(src_cfg.n_layers, candidates)), tgt_cfg.n_layers
+    k = min(k, C)
+    matched = matched_kv(src_cfg, tgt_cfg)
+    G, bx, by = groups(src_cfg, tgt_cfg, "head" if matched else "layer")
+    single = (G, C * bx, Lt * by, bx, Lt * by)
+    final = (G, C * bx, Lt * by, k * bx, by)
+    out = [max(single, final, key=lambda f: ridge_bytes(*f))]
+    if scope == "layer" and matched:
+        G, bx, by = groups(src_cfg, tgt_cfg, "layer")
+        U, g = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
+        out[0] = single                                        # the head-level pass only selects
+        out.append((G, U * bx, g * by, k * bx, by))
+    return out
+
+
+def ridge_bytes(G, F_all, O_all, F, O):
+    """Bytes at most held by one ridge sub-fit of F features onto O outputs out of sums over F_all
+    features and O_all outputs (float64), G groups at once: the fit and validation selections
+    (Sums.select, each F^2 + F O; the second made while the first is held, through an intermediate of
+    F x F_all and F x O_all), then eigen's centered matrix, correlation matrix, eigenvectors and eigh's
+    workspace (about 2 F^2) beside them, then R^2's full Gram matrix and W-sized products."""
+    sel = F * F + F * O
+    select = sel + F * F_all + F * O_all + sel
+    eig = 2 * sel + 5 * F * F + F * O
+    r2 = 2 * sel + F * F + F * O + 3 * F * F + 4 * F * O
+    return 8 * G * max(select, eig, r2)
+
+
+def largest_sum(size, fit):
+    """The largest single tensor of a pass's sums (its xx, float64 at most), which safetensors holds a
+    second copy of while it writes it."""
+    G, F_all, O_all = fit[:3]
+    return min(size, 8 * G * max(F_all * F_all, F_all * O_all))
+
+
+def most(*dicts):
+    """{device: the largest of the dicts' bytes there}."""
+    out = {}
+    for d in dicts:
+        for key, v in d.items():
+            out[key] = max(out.get(key, 0), v)
+    return out
 
 
 def add(*dicts):
@@ -313,6 +406,117 @@ def eval_batch(src_cfg, tgt_cfg, cap, context, choices=4, new_tokens=256, scope=
             break
         best, b = b, 2 * b
     return best
+# ---- disk and time -----------------------------------------------------------------------------------
+
+def disk_plan(p):
+    """[(what, bytes)] the output folder holds at most at once while the plan's mapper is made
+    (mapper.calibrate with keep_stats=False, then run.py, which deletes the statistics once the mapper is
+    saved): the first pass's statistics, kept to resume from, twice while its checkpoint is rewritten (a
+    .tmp, then a rename), or beside one later pass's checkpoint (the previous one deleted before the
+    next is written) and the fits of the passes done so far; then the mapper file (float32)."""
+    o = p.options
+    src_cfg, tgt_cfg, k = o["src_cfg"], o["tgt_cfg"], o["k"]
+    mapper32 = sum(mapper_bytes(src_cfg, tgt_cfg, o["scope"], min(k, src_cfg.n_layers), ["cpu"]).values())
+    rows = [("mapper file (float32)", mapper32)]
+    if not o["calibrate"]:
+        return rows
+    shapes = fit_shapes(src_cfg, tgt_cfg, o["scope"], k, o["candidates"], o["group"])
+    sizes = [sums_bytes(*f[:3], nbytes(o["stats_dtype"])) for f in shapes]
+    if len(sizes) == 1:
+        return [("statistics: a checkpoint and its rewrite", 2 * sizes[0])] + rows
+    later = sizes[1] + mapper32
+    what = ("statistics of pass 1: a checkpoint and its rewrite" if 2 * sizes[0] >= sizes[0] + later else
+            "statistics of pass 1, a later pass's checkpoint, the fits so far (float32)")
+    return [(what, max(2 * sizes[0], sizes[0] + later))] + rows
+
+
+RATES = {"h200": {"bf16": 989e12, "fp32": 67e12, "fp64": 67e12, "hbm": 4.8e12},   # dense peaks (NVIDIA's
+         "h100": {"bf16": 989e12, "fp32": 67e12, "fp64": 67e12, "hbm": 3.35e12}}  # H100/H200 SXM datasheets)
+FRACTION = {"matmul": 0.5, "hbm": 0.5, "eigh": 0.05}  # of peak assumed: matmuls, bandwidth-bound steps, eigh
+DISK = 2e9                                            # bytes per second written to the output folder (NVMe)
+# Tokens per evaluated item: read (the context, every choice; CoQA the story and every turn) and at most
+# generated (the task's max_new_tokens; CoQA per answered turn), Qwen3 tokenizer, 100 items each:
+# `python -m tests.task_tokens`.
+EVAL_TOKENS = {"hellaswag": (166, 0), "arc_easy": (42, 0), "arc_challenge": (55, 0), "mmlu": (690, 0),
+               "gsm8k": (765, 256), "coqa": (487, 576)}
+
+
+def forward_flops(cfg, T):
+    """FLOPs of one forward over T tokens without logits (calibration's capture): 2 per weight per token
+    (the embedding looked up, not multiplied) plus attention's causal q.k and p.v (kvt.bench.prefill_flops
+    less its one output row)."""
+    per_token = sum(weight_bytes(cfg, ["cpu"], torch.int8).values()) - cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    return 2 * per_token * T + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * T
+
+
+def weight_reads(cfg, dtype=torch.bfloat16):
+    """Bytes one decode step reads: every weight once (bandwidth-bound at small batch)."""
+    return sum(weight_bytes(cfg, ["cpu"], dtype).values())
+
+
+def estimate(p, gpu="h200", calib_seqs=550, diag_seqs=25, tasks=(), limit=500, eval_batch=32, conditions=4,
+             bench_lengths=(2048, 8192, 32768), repeats=3, save_s=600.0):
+    """[(phase, seconds, how)]: a time estimate of the plan's run on one `gpu` from FLOPs and bytes at
+    RATES x FRACTION. Calibration: every pass runs both models over calib_seqs sequences (fit and
+    validation) and adds float32 products to the sums (fp32 units: torch keeps TF32 off), then fits
+    (eigh about 9 F^3 per group, slow on a GPU: FRACTION["eigh"]) and writes checkpoints every save_s;
+    evaluation: every item read under four conditions (target, transfer, source, floor; conditions=2:
+    target and transfer, CoQA's way back) and generated in batches of eval_batch, each decode step
+    reading the weights once, every item generating its task's most tokens (an upper bound: stops end
+    most answers sooner); the bench: prefills and transfers at each length, (repeats + 1) times."""
+    o, r = p.options, RATES[gpu]
+    src, tgt, k, L = o["src_cfg"], o["tgt_cfg"], o["k"], o["calib_len"]
+    mm, fp32, bw = r["bf16"] * FRACTION["matmul"], r["fp32"] * FRACTION["matmul"], r["hbm"] * FRACTION["hbm"]
+    out = []
+    if o["calibrate"]:
+        forward = calib_seqs * (forward_flops(src, L) + forward_flops(tgt, L)) / mm
+        shapes = fit_shapes(src, tgt, o["scope"], k, o["candidates"], o["group"])
+        n_passes = [1] + ([calibration_passes(p) - 1] if len(shapes) > 1 else [])
+        itemsize = nbytes(o["stats_dtype"])
+        for i, ((G, F, O, f, _), n) in enumerate(zip(shapes, n_passes), 1):
+            products = 2 * calib_seqs * L * G * (F * F + 2 * F * O) / fp32          # K and V, xx's upper half
+            targets = tgt.n_layers if i == len(shapes) else 0                          # the final fits
+            fits = 2 * targets * G * 9 * f ** 3 / (r["fp64"] * FRACTION["eigh"])
+            fits += 2 * (len(candidate_layers(src.n_layers, o["candidates"])) if i == 1 else 0) * G * 9 * (F // (
+                len(candidate_layers(src.n_layers, o["candidates"])))) ** 3 / (r["fp64"] * FRACTION["eigh"])
+            pass_s = forward + products
+            saves = (int(pass_s // save_s) + (i == 1)) * sums_bytes(G, F, O, itemsize) / DISK
+            total = n * pass_s + fits / max(n, 1) * n + n * saves
+            out.append((f"calibration pass {i}" + (f" (x{n})" if n > 1 else ""), total,
+                        f"{n} x (forward {forward:.0f} s + products {products:.0f} s + checkpoints {saves:.0f} s)"
+                        f" + fits {fits:.0f} s"))
+        out.append(("diagnostics", diag_seqs * (forward_flops(src, L) + 2 * forward_flops(tgt, L)) / mm,
+                    f"{diag_seqs} sequences, both models"))
+    if tasks:
+        read = gen = 0.0
+        for t in tasks:
+            tokens_in, tokens_out = EVAL_TOKENS.get(t, (1000, 0))
+            readers, writers = ((tgt, src, src, tgt), (tgt, tgt, src, tgt)) if conditions == 4 else \
+                ((tgt, src), (tgt, tgt))                   # target, transfer (the source reads), source, floor
+            read += limit * sum(forward_flops(c, tokens_in) for c in readers) / mm
+            steps = -(-limit // eval_batch) * tokens_out
+            gen += steps * sum(weight_reads(c, o["dtype"]) for c in writers) / bw
+        out.append(("evaluation", read + gen, f"{len(tasks)} tasks x {limit} items x {conditions} conditions: reading "
+                    f"{read:.0f} s, generating {gen:.0f} s (batches of {eval_batch}, every step reads the weights)"))
+    if o.get("bench"):
+        prefill = sum(forward_flops(src, n) + forward_flops(tgt, n) for n in bench_lengths) / mm
+        G, bx, by = groups(src, tgt, o["scope"])
+        mapping = sum(2 * 2 * n * G * k * bx * by * (tgt.n_layers + src.n_layers) for n in bench_lengths) / mm
+        out.append(("bench", (repeats + 1) * 2 * (prefill + mapping),
+                    f"lengths {','.join(map(str, bench_lengths))}, {repeats} repeats and a warm-up, both ways"))
+    return out
+
+
+def headline_times(src_cfg, tgt_cfg, gpu="h200", T=32768, scope="layer", k=8):
+    """(target prefill s, map s) at T tokens on `gpu` at RATES x FRACTION: the estimate to set beside the
+    paper's measured 32K figures."""
+    mm, r = RATES[gpu]["bf16"] * FRACTION["matmul"], RATES[gpu]
+    G, bx, by = groups(src_cfg, tgt_cfg, scope)
+    flops = 2 * 2 * (T - 1) * G * k * bx * by * tgt_cfg.n_layers
+    moved = (2 * T * (src_cfg.n_layers * src_cfg.n_kv_heads * src_cfg.head_dim +
+                      tgt_cfg.n_layers * tgt_cfg.n_kv_heads * tgt_cfg.head_dim) * 2
+             + sum(mapper_bytes(src_cfg, tgt_cfg, scope, k, ["cpu"], torch.bfloat16).values()))
+    return forward_flops(tgt_cfg, T) / mm, max(flops / mm, moved / (r["hbm"] * FRACTION["hbm"]))
 
 
 def format_plan(p, cap=None, title="source -> target"):
@@ -323,16 +527,18 @@ def format_plan(p, cap=None, title="source -> target"):
     head = (f"memory plan: {title}, {o['scope']} scope, k={k}, {o['batch']} x {o['context']} tokens" +
             (f", calibration {o['calib_batch']} x {o['calib_len']} tokens in {passes} pass{'es' * (passes > 1)}"
              if o["calibrate"] else ""))
-    cols = "".join(f"{d:>10}" for d in p.devices)
-    lines = [head, f"{'phase':<20} {'what':<70}{cols}   GiB"]
+    cols = [*p.devices, *([HOST] if HOST not in p.devices and p.host() else [])]
+    lines = [head, f"{'phase':<28} {'what':<72}" + "".join(f"{d:>10}" for d in cols) + "   GiB"]
     for phase, what, where in p.rows:
-        lines.append(f"{phase:<20} {what:<70}" + "".join(f"{where.get(d, 0) / GiB:10.2f}" for d in p.devices))
-    need = p.need()
-    lines.append(f"{'need':<20} {'weights + largest phase':<70}" + "".join(f"{need[d] / GiB:10.2f}" for d in p.devices))
+        lines.append(f"{phase:<28} {what:<72}" + "".join(f"{where.get(d, 0) / GiB:10.2f}" for d in cols))
+    need = dict(p.need(), **{HOST: p.host()})
+    lines.append(f"{'need':<28} {'weights + largest phase (host: largest phase)':<72}" +
+                 "".join(f"{need[d] / GiB:10.2f}" for d in cols))
     if cap:
-        lines.append(f"{'usable':<20} {f'{USABLE:.0%} of each device':<70}" +
+        lines.append(f"{'usable':<28} {f'{USABLE:.0%} of each device':<72}" +
                      "".join(f"{USABLE * cap[d] / GiB:10.2f}" for d in p.devices))
-        lines.append("fits" if fits(p, cap) else "does NOT fit")
+        spare = min(1 - need[d] / cap[d] for d in p.devices)
+        lines.append(f"fits, {spare:.1%} of the fullest device to spare" if fits(p, cap) else "does NOT fit")
     return "\n".join(lines)
 
 
@@ -357,6 +563,57 @@ def summary(src_cfg, tgt_cfg, counts=(1, 2, 4, 8), gpus=("h100", "h200"), **kw):
     return "\n".join(lines)
 
 
+PAPER_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k,coqa"
+PAPER_32K = {"prefill_s": 6.98, "transfer_s": 0.28}   # the paper's Qwen3 14B -> 32B at 32K tokens, one H200
+
+
+def rehearsal(src_cfg, tgt_cfg, names, gpu="h200", count=1, tasks=PAPER_TASKS.split(","), calib_seqs=500,
+              limit=500, eval_batch=32, **kw):
+    """The headline run on paper: (text, {"spare": fraction, "disk": bytes, "seconds": s, "host": bytes}).
+    Every mapper the run fits (the reverse one for CoQA too) planned and split as run.py does, each
+    phase's peak with every resident tensor, the host memory, the disk and a time estimate."""
+    devices = [f"cuda:{i}" for i in range(count)]
+    cap = capacity(devices, gpu)
+    ways = [(src_cfg, tgt_cfg, names)] + ([(tgt_cfg, src_cfg, names[::-1])] if "coqa" in tasks else [])
+    seqs = calib_seqs + calib_seqs // 10                      # the fit and validation regions (data.py)
+    lines, rows, spare, host, disk, seconds, kept = [], [], 1.0, 0, 0, 0.0, 0
+    for i, (a, b, (x, y)) in enumerate(ways):
+        p = split_to_fit(plan(a, b, devices=devices, bench=i == 0, **kw), cap)
+        lines += [format_plan(p, cap, f"{x} -> {y} on {count} x {gpu.upper()} ({GPUS[gpu] / GiB:.1f} GiB each)"), ""]
+        need = p.need()
+        for ph in ["weights", *sorted(p.phases(), key=[r[0] for r in p.rows].index)]:
+            peak = max(p.total("weights", d) + (p.total(ph, d) if ph != "weights" else 0) for d in p.devices)
+            rows.append((f"{x} -> {y}", ph, peak, 1 - peak / min(cap.values()), p.total(ph, HOST)))
+        spare = min(spare, *(1 - need[d] / cap[d] for d in p.devices))
+        host = max(host, p.host())
+        disk = max(disk, kept + sum(n for _, n in disk_plan(p)))
+        kept += disk_plan(p)[-1][1]                          # its mapper file stays beside the next one's work
+        for ph, t, how in estimate(p, gpu, seqs, tasks=tasks if i == 0 else ["coqa"], limit=limit,
+                                   eval_batch=eval_batch, conditions=4 if i == 0 else 2):
+            seconds += t
+            rows.append((f"{x} -> {y}", f"time: {ph}", t, how, None))
+    lines.append(f"{'mapper':<22} {'phase':<28} {'peak GiB':>9} {'spare':>7} {'host GiB':>9}")
+    for way, ph, peak, spare_, host_ in rows:
+        if host_ is not None:
+            lines.append(f"{way:<22} {ph:<28} {peak / GiB:9.2f} {spare_:7.1%} {host_ / GiB:9.2f}")
+    lines += ["", f"{'mapper':<22} {'time':<28} {'minutes':>9}  how"]
+    for way, ph, t, how, host_ in rows:
+        if host_ is None:
+            lines.append(f"{way:<22} {ph.removeprefix('time: '):<28} {t / 60:9.1f}  {how}")
+    prefill, mapping = headline_times(src_cfg, tgt_cfg, gpu)
+    r = RATES[gpu]
+    lines += ["", f"rates: bf16 {r['bf16'] / 1e12:.0f} TFLOP/s, fp32 {r['fp32'] / 1e12:.0f}, fp64 {r['fp64'] / 1e12:.0f}, "
+              f"HBM {r['hbm'] / 1e12:.2f} TB/s; assumed {FRACTION['matmul']:.0%} of peak for matmuls, "
+              f"{FRACTION['hbm']:.0%} of HBM for decoding, {FRACTION['eigh']:.0%} of fp64 for eigh; disk {DISK / 1e9:.0f} GB/s",
+              f"at 32K tokens: target prefill {prefill:.2f} s, map {mapping:.2f} s" +
+              (f" (the paper's, on one H200: prefill {PAPER_32K['prefill_s']} s, {prefill / PAPER_32K['prefill_s']:.2f}x; "
+               f"transfer {PAPER_32K['transfer_s']} s, {mapping / PAPER_32K['transfer_s']:.2f}x)"
+               if tuple(names) == ("qwen3-14b", "qwen3-32b") and gpu == "h200" else ""),
+              f"end to end: {seconds / 3600:.2f} h; GPU memory spare in every phase >= {spare:.1%}; host {host / GiB:.1f} GiB; "
+              f"disk at most {disk / 1e9:.0f} GB at once"]
+    return "\n".join(lines), {"spare": spare, "disk": disk, "seconds": seconds, "host": host}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Print the memory plan of a pair on named GPUs (no hardware needed).")
     ap.add_argument("--pair", default="qwen3-14b:32b")
@@ -365,14 +622,20 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calib-len", type=int, default=1024)
+    ap.add_argument("--calib-seqs", type=int, default=500, help="fit sequences (a tenth more for validation)")
+    ap.add_argument("--tasks", default=PAPER_TASKS, help="the tasks whose evaluation is timed (coqa: the way back too)")
+    ap.add_argument("--limit", type=int, default=500, help="items per task")
+    ap.add_argument("--eval-batch", type=int, default=32, help="items evaluated together (32 items of ~1K tokens: "
+                    "the 32K tokens the transfer phase plans)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--stats-dtype", default="float64", choices=["float64", "float32"])
     ap.add_argument("--candidates", type=int, default=None)
-    ap.add_argument("--gpu", default="h200", choices=sorted(GPUS))
+    ap.add_argument("--gpu", "--device", dest="gpu", default="h200", choices=sorted(GPUS))
     ap.add_argument("--count", type=int, default=1, help="how many of those GPUs")
     ap.add_argument("--summary", action="store_true", help="a table over scopes, statistics dtypes, H100/H200 x 1-8")
     args = ap.parse_args(argv)
-    src, tgt = (shape(n) for n in parse_pair(args.pair))
+    names = parse_pair(args.pair)
+    src, tgt = (shape(n) for n in names)
     kw = dict(k=args.k, context=args.context, batch=args.batch, calib_len=args.calib_len,
               dtype=getattr(torch, args.dtype), candidates=args.candidates)
     if args.summary:
@@ -380,16 +643,16 @@ def main(argv=None):
               f"{args.batch} x {args.context} tokens; (no) = over {USABLE:.0%} of the GPU")
         print(summary(src, tgt, **kw))
         return
-    devices = [f"cuda:{i}" for i in range(args.count)]
-    cap = capacity(devices, args.gpu)
-    p = split_to_fit(plan(src, tgt, scope=args.scope, stats_dtype=getattr(torch, args.stats_dtype), devices=devices,
-                          **kw), cap)
-    title = f"{args.pair} on {args.count} x {args.gpu.upper()} ({GPUS[args.gpu] / GiB:.1f} GiB each)"
-    print(format_plan(p, cap, title))
-    try:
-        check_plan(p, cap)
-    except KvtError as e:
-        print(e)
+    text, _ = rehearsal(src, tgt, names, args.gpu, args.count, args.tasks.split(","), args.calib_seqs, args.limit,
+                        args.eval_batch, scope=args.scope, stats_dtype=getattr(torch, args.stats_dtype), **kw)
+    print(text)
+    for a, b in [(src, tgt), (tgt, src)][:1 + ("coqa" in args.tasks.split(","))]:
+        devices = [f"cuda:{i}" for i in range(args.count)]
+        try:
+            check_plan(plan(a, b, scope=args.scope, stats_dtype=getattr(torch, args.stats_dtype), devices=devices,
+                            bench=True, **kw), capacity(devices, args.gpu))
+        except KvtError as e:
+            print(e)
 
 
 if __name__ == "__main__":

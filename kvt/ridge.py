@@ -35,13 +35,14 @@ def eigen(s):
     """The fit of Sums s, ready for any lambda: (e (G, F), Q (G, F, F), A = Q^T S^-1 C_xy (G, F, O),
     1/std (G, F), mx (G, F), my (G, O)); see the module docstring."""
     mx, my = s.sx / s.n, s.sy / s.n                                  # (G, F), (G, O)
-    cxx = s.gram() / s.n - mx[:, :, None] * mx[:, None, :]           # (G, F, F)
-    cxy = s.xy / s.n - mx[:, :, None] * my[:, None, :]               # (G, F, O)
-    var = cxx.diagonal(dim1=1, dim2=2)                               # (G, F)
+    cxx = s.gram().div_(s.n).sub_(mx[:, :, None] * mx[:, None, :])   # (G, F, F); in place: F x F matrices
+    cxy = s.xy / s.n - mx[:, :, None] * my[:, None, :]               # (G, F, O)   are the fit's largest
+    var = cxx.diagonal(dim1=1, dim2=2).clone()                       # (G, F)
     live = var > 1e-12 * var.amax(-1, keepdim=True).clamp_min(1e-300)
     inv_std = torch.where(live, var.clamp_min(1e-300).rsqrt(), torch.zeros_like(var))  # constant features: 0
-    R = cxx * inv_std[:, :, None] * inv_std[:, None, :]              # (G, F, F) correlation matrix
+    R = cxx.mul_(inv_std[:, :, None]).mul_(inv_std[:, None, :])      # (G, F, F) correlation matrix, in cxx's place
     e, Q = torch.linalg.eigh(R)                                      # R = Q diag(e) Q^T
+    del R, cxx
     return e, Q, Q.transpose(1, 2) @ (cxy * inv_std[:, :, None]), inv_std, mx, my
 
 
@@ -53,6 +54,19 @@ def weights(eig, lam):
     W = inv_std[:, :, None] * (Q @ (A / (e + lam)[:, :, None]))     # (G, F, O)
     b = my - (mx[:, None, :] @ W)[:, 0]                              # (G, O)
     return W, b
+
+
+def solvable(eig, lams):
+    """(the lambdas of lams at which eigen()'s system can be solved (every e + lam > 0), those at which it
+    cannot): a rank-deficient R has eigenvalues at zero, and rounding can put some a hair below it, so
+    the smallest lambdas may fail where the larger ones are fine."""
+    low = eig[0].min().item()
+    return [lam for lam in lams if low + lam > 0], [lam for lam in lams if low + lam <= 0]
+
+
+def unsolvable(what, lams):
+    return KvtError(f"ridge system of {what} is singular at every lambda ({', '.join(f'{lam:g}' for lam in lams)}); "
+                    "use a larger --lam or calibrate on more tokens")
 
 
 def solve(s, lam):
@@ -78,10 +92,12 @@ def _check_val(stats):
     check_finite(stats)
 
 
-def single_layer_r2(stats, kind, lams=LAMBDAS):
+def single_layer_r2(stats, kind, lams=LAMBDAS, skipped=None):
     """Validation R^2 of fitting each target layer of stats from each single source layer, at the best
     lambda of `lams` for that pair of layers: (Ls, Lt), rows in stats.src_layers order, columns in
-    stats.tgt_layers order. One eigendecomposition per source layer serves every target layer and lambda."""
+    stats.tgt_layers order. One eigendecomposition per source layer serves every target layer and lambda.
+    Lambdas at which a source layer's system is singular are skipped (and listed in `skipped`, a dict
+    source layer -> lambdas, when given); a layer singular at every lambda is an error."""
     _check_val(stats)
     fit, val = stats.part(kind, "fit"), stats.part(kind, "val")
     G, Lt, by = fit.sy.shape[0], len(stats.tgt_layers), stats.by
@@ -90,7 +106,12 @@ def single_layer_r2(stats, kind, lams=LAMBDAS):
     for i in range(len(stats.src_layers)):
         fi = blocks([i], stats.bx).to(fit.xx.device)
         eig, v = eigen(fit.select(fi)), val.select(fi)              # all target layers at once
-        err = torch.stack([sse(v, *weights(eig, lam)).view(G, Lt, by).sum((0, 2)) for lam in lams])  # (lams, Lt)
+        good, bad = solvable(eig, lams)
+        if not good:
+            raise unsolvable(f"source layer {stats.src_layers[i]}", lams)
+        if bad and skipped is not None:
+            skipped[stats.src_layers[i]] = bad
+        err = torch.stack([sse(v, *weights(eig, lam)).view(G, Lt, by).sum((0, 2)) for lam in good])  # (lams, Lt)
         r2[i] = (1 - err.amin(0) / total).cpu()
     return r2
 
@@ -101,11 +122,15 @@ def select_layers(r2, src_layers, k):
     return torch.tensor(src_layers)[top].sort(dim=1).values
 
 
-def fit_layers(stats, kind, selected, lams=LAMBDAS):
+def fit_layers(stats, kind, selected, lams=LAMBDAS, skipped=None, host=False):
     """Fit each target layer of stats.tgt_layers from its selected source layers (selected: (L_tgt, k)
     source layer numbers for every target layer), at the lambda of `lams` with the best validation R^2.
+    Lambdas at which a layer's system is singular are skipped (and listed in `skipped`, a dict target
+    layer -> lambdas, when given); a layer singular at every lambda is an error.
 
-    Returns {target layer: (W (G, k*Bx, By), b (G, By), validation R^2, lambda)}, in float64."""
+    Returns {target layer: (W (G, k*Bx, By), b (G, By), validation R^2, lambda)}: W and b in float64 on
+    the statistics' device, or with host=True in float32 on the CPU as each is fitted (the mapper's
+    form), so that the device holds no fitted weights beside the statistics."""
     _check_val(stats)
     fit, val = stats.part(kind, "fit"), stats.part(kind, "val")
     where = {l: i for i, l in enumerate(stats.src_layers)}
@@ -114,12 +139,18 @@ def fit_layers(stats, kind, selected, lams=LAMBDAS):
         fi = blocks([where[l] for l in selected[t].tolist()], stats.bx).to(fit.xx.device)
         oi = blocks([j], stats.by).to(fit.xx.device)
         eig, v = eigen(fit.select(fi, oi)), val.select(fi, oi)
+        good, bad = solvable(eig, lams)
+        if not good:
+            raise unsolvable(f"target layer {t}", lams)
+        if bad and skipped is not None:
+            skipped[t] = bad
         best = None
-        for lam in lams:                                          # ties keep the smaller lambda
+        for lam in good:                                          # ties keep the smaller lambda
             W, b = weights(eig, lam)
             err = sse(v, W, b).sum().item()
             if best is None or err < best[0]:
                 best = (err, lam, W, b)
         err, lam, W, b = best
+        W, b = (W.float().cpu(), b.float().cpu()) if host else (W, b)
         out[t] = (W, b, 1 - err / sst(v).sum().item(), lam)
     return out

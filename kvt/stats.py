@@ -32,6 +32,7 @@ the ranks' sums are added with all_reduce at every checkpoint and at the end.
 """
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,12 +258,21 @@ def flush(pending):
         p.flush_()
 
 
-def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, progress=True,
-               products=torch.float32):
+SAVE_S = 600.0     # seconds between statistics checkpoints: a pass of a large pair is tens of GiB to write
+
+
+def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, save_s=SAVE_S, final=True,
+               progress=True, products=torch.float32):
     """Stream every not-yet-seen sequence of calib.fit, then of calib.val, through both models into
-    stats (in place); calib is a data.Calibration. With `path`, the statistics are saved there every
-    `every` rounds and at the end, and a run that finds a checkpoint resumes from it (one made for other
-    data, another plan or another key is refused). products: the dtype of the per-batch products.
+    stats (in place); calib is a data.Calibration. Every `every` rounds what is pending is added to the
+    sums (a flush point, the same with or without a checkpoint). With `path`, the statistics are saved
+    there at the first flush point `save_s` seconds after the last save (0: at every flush point) and,
+    with `final`, once complete; a run that finds a checkpoint resumes from it (one made for other data,
+    another plan or another key is refused). Saves land on flush points only, so a resumed run adds in
+    the order an unbroken one does: bit-identical sums. final=False leaves the complete sums unsaved (a
+    caller that saves what it fits from them instead; the last checkpoint stays for it to delete), and
+    deletes a checkpoint before writing the next, so the disk never holds two of them.
+    products: the dtype of the per-batch products.
 
     Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the
     batches are dealt out in rounds, one batch per rank, and the ranks' sums are all-reduced at every
@@ -285,19 +295,26 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     todo = [(s, min(s + batch_size, n_fit if s < n_fit else n)) for s in starts if s >= stats.seen]
     rounds = [todo[i:i + dist.world()] for i in range(0, len(todo), dist.world())]
     devices = [next(m.parameters()).device for m in (source, target)]      # where each model's input goes
+    device = stats.part("k", "fit").xx.device
     desc = f"calibration stats ({stats.scope}, {len(stats.src_layers)} source x {len(stats.tgt_layers)} target layers)"
-    pending = {}
+    pending, saved = {}, time.monotonic()
     for i, batches in enumerate(tqdm(rounds, desc=desc, disable=not progress or dist.rank() > 0)):
         for s, e in dist.shard(batches):                                     # this rank's batch, if any
             src, tgt = (capture(m, ids[s:e].to(d)) for m, d in zip((source, target), devices))
             add_batch(stats, "fit" if s < n_fit else "val", src, tgt, pending, products)
         stats.seen = batches[-1][1]
-        checkpoint = (i + 1) % every == 0 or stats.seen == n
-        if checkpoint:                                    # with or without a path, so that a resumed run
-            flush(pending.values())                       # adds in the order an unbroken one does
-        if path and checkpoint:
+        done = stats.seen == n
+        if (i + 1) % every == 0 or done:                  # a flush point, with or without a path, so that a
+            flush(pending.values())                       # resumed run adds in the order an unbroken one does
+        else:
+            continue
+        due = torch.tensor([float(time.monotonic() - saved >= save_s)], device=device)
+        if path and (final if done else dist.all_reduce_(due).item() > 0):   # any rank's clock: all save
+            saved = time.monotonic()
             all_reduce_(stats)
             if dist.rank() == 0:
+                if not final and Path(path).exists():     # the disk holds one checkpoint of a pass whose
+                    os.remove(path)                       # result the caller keeps, not two while rewriting
                 save_stats(stats, path)
             else:
                 zero_(stats)                              # the totals count once: on rank 0

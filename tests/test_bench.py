@@ -187,3 +187,22 @@ def test_the_longest_cache_cropped_is_each_shorter_one():
     for a, b in zip(cropped.keys + cropped.values, short.keys + short.values):
         assert torch.allclose(a, b, atol=1e-5)
     assert torch.equal(cropped.positions, short.positions)
+
+
+def test_random_mappers_keep_their_selections_on_the_host():
+    """Guards: layer indices moved to the device with the weights, so that every apply reads them back
+    with a host sync per read (.tolist() on a GPU tensor)."""
+    m = random_mapper(SMALL, LARGE, k=2, dtype=torch.bfloat16, device="meta")
+    assert m.W["k"].device.type == "meta" and m.W["k"].dtype == torch.bfloat16
+    assert m.layers["k"].device.type == "cpu" and m.layers["v"].dtype == torch.long
+
+
+def test_peak_memory_is_the_benchs_own():
+    """peak_gb counts from the bench's start. Guards: the process's peak (here a 3 GiB tensor freed
+    before the bench), which says nothing about the bench."""
+    small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
+    big = torch.ones(3 * 2**28)                                       # 3 GiB, touched (the bench holds ~1.3)
+    del big
+    before = B.peak_memory_gb("cpu")
+    rows = bench(small, large, random_mapper(SMALL, LARGE, k=2), None, [16], repeats=1, names=("s", "l"))
+    assert rows[0]["peak_gb"] < before - 0.5, (rows[0]["peak_gb"], before)

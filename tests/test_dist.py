@@ -71,13 +71,13 @@ def worker(rank, world, port, tmp, phase, src, tgt):
                 assert everything is None
             try:  # every rank dies at its third batch (round 2): rounds 0 and 1 are checkpointed
                 accumulate(DiesAfter(src, 2), tgt, IDS, new_stats(src.config, tgt.config, "head"), 2,
-                           f"{tmp}/resumed.safetensors", every=1, progress=False)
+                           f"{tmp}/resumed.safetensors", every=1, save_s=0, progress=False)
             except Interrupted:
                 pass
         else:  # fresh processes: resume the interrupted run, and run it again unbroken
             for name in ("resumed", "whole"):
                 accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, f"{tmp}/{name}.safetensors",
-                           every=1, progress=False)
+                           every=1, save_s=0, progress=False)
     finally:
         dist.close()
 
@@ -135,7 +135,7 @@ def test_interrupted_two_process_run_resumes_exactly(two_processes, tmp_path):
     # the checkpoint holds totals and a resume point, so one process can finish what two began
     path = tmp_path / "s.safetensors"
     shutil.copy(two_processes / "interrupted.safetensors", path)
-    finished = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, path, every=1, progress=False)
+    finished = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, path, every=1, save_s=0, progress=False)
     assert max_diff(finished, one) < FP32
 
 

@@ -29,18 +29,28 @@ def closed_form(src, tgt, scope, k=8, T=32768, N=1024, group=None):
     def stats(G, F, O):  # 4 sums of fp64 (no float32 products held on a GPU), one batch of K and V features
         return 4 * 8 * (G * F * F + G * F * O + G * F + 2 * G * O + 1) + 2 * 8 * N * G * (F + O)
 
+    def ridge(G, Fa, Oa, F, O):  # one sub-fit: two selections, then eigh's matrices, then R^2's Gram and products
+        sel = F * F + F * O
+        return 8 * G * max(2 * sel + F * Fa + F * Oa, 2 * sel + 5 * F * F + F * O, 2 * sel + 4 * F * F + 5 * F * O)
+
     Ls, Lt, Hkv, D = src.n_layers, tgt.n_layers, src.n_kv_heads, src.head_dim
     act = max((3 * c.ffn_dim + 4 * c.dim) * 2 for c in (src, tgt))   # bytes per token of one layer's forward
     calib = kv(src, N, 3) + kv(tgt, N, 3) + N * act
     rows = {"weights": weights(src) + weights(tgt), "pass 1": stats(Hkv, Ls * D, Lt * D)}
+    fits = {"pass 1": ridge(Hkv, Ls * D, Lt * D, D, Lt * D)}      # one source layer onto every target layer
+    if scope == "head":                                            # and the final fits, k layers onto one
+        fits["pass 1"] = max(fits["pass 1"], ridge(Hkv, Ls * D, Lt * D, k * D, D))
     if scope == "layer":
         g = group or Lt
-        rows["pass 2"] = stats(1, min(Ls, k * g) * Hkv * D, g * Hkv * D)
+        U = min(Ls, k * g)
+        rows["pass 2"] = stats(1, U * Hkv * D, g * Hkv * D)
+        fits["pass 2"] = ridge(1, U * Hkv * D, g * Hkv * D, k * Hkv * D, Hkv * D)
     G, B = (Hkv, D) if scope == "head" else (1, Hkv * D)
-    rows["mapper"] = 4 * 2 * Lt * G * (k * B * B + B)
+    rows["mapper"] = 2 * 2 * Lt * G * (k * B * B + B)              # bf16: the mapper as evaluation uses it
     rows["transfer"] = kv(src, T) + kv(tgt, T) + rows["mapper"] + 4 * 2 * T * Hkv * D * Ls + T * act
     diagnostics = kv(src, N) + kv(tgt, N, 4) + N * tgt.n_heads * tgt.head_dim * Lt * 2
-    need = rows["weights"] + max(rows["pass 1"] + calib, rows.get("pass 2", 0) + calib, rows["transfer"], diagnostics)
+    passes = [rows[p] + max(calib, fits[p]) for p in fits]        # a pass, then its fits (the batch is gone)
+    need = rows["weights"] + max(*passes, rows["transfer"], diagnostics)
     return rows, need
 
 
@@ -50,12 +60,12 @@ def test_plan_equals_the_closed_form(names, scope):
     src, tgt = map(shape, names)
     p = plan(src, tgt, scope, k=8, context=32768, dtype=torch.bfloat16, devices=["cuda:0"], calib_len=1024)
     rows, need = closed_form(src, tgt, scope)
-    by = {what: where["cuda:0"] for _, what, where in p.rows}
+    by = {what: where["cuda:0"] for _, what, where in p.rows if "cuda:0" in where}
     assert sum(v for what, v in by.items() if "weights" in what) == rows["weights"]
     assert by[f"head statistics, {src.n_layers} source layers, float64"] == rows["pass 1"]
     if scope == "layer":
         assert by[f"layer statistics, {tgt.n_layers} target x <={src.n_layers} source layers, float64"] == rows["pass 2"]
-    assert by[f"mapper, {scope} scope, k=8 (float32)"] == rows["mapper"]
+    assert by[f"mapper, {scope} scope, k=8 (bfloat16, as used)"] == rows["mapper"]
     assert p.need()["cuda:0"] == need, f"plan {p.need()['cuda:0'] / GiB:.2f} GiB vs formula {need / GiB:.2f} GiB"
 
 
@@ -131,7 +141,7 @@ def test_a_plan_that_does_not_fit_says_what_would():
 
 def test_capacity_of_named_gpus_and_meta():
     assert capacity(["cuda", "meta"], "h100") == {"cuda:0": GPUS["h100"], "meta": float("inf")}
-    assert USABLE * GPUS["h200"] / GiB > 130
+    assert USABLE * GPUS["h200"] / GiB > 129                     # 8% of an H200 kept spare
 
 
 # ---- the options a plan suggests do what they say -------------------------------------------------------

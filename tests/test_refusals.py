@@ -27,7 +27,8 @@ from tests.conftest import ROOT, SHARED, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ARGS = ["--tasks", "toy_recall", "--limit", "6", "--calib-seqs", "12", "--calib-len", "40", "--k", "2", "--no-bench"]
+ARGS = ["--tasks", "toy_recall", "--limit", "6", "--calib-seqs", "12", "--calib-len", "40", "--k", "2", "--no-bench",
+        "--keep-stats"]
 
 
 def snapshot(folder):

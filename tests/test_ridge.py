@@ -1,5 +1,7 @@
 """ridge.py against oracles on synthetic data: a planted linear map, lstsq, direct residuals, a direct solve
 of the standardized system at every lambda."""
+import math
+
 import pytest
 import torch
 
@@ -175,3 +177,36 @@ def test_singular_system_is_a_one_line_error():
     with pytest.raises(KvtError) as e:
         ridge.solve(sums(x, x[..., :2]), 0.0)
     assert "singular" in str(e.value) and "\n" not in str(e.value)
+
+
+def rank_deficient(eps=3e-3):
+    """layered() stats whose source layer 1 has a duplicated feature (4 = 3) and rounding pushed past it:
+    the correlation of 3 and 4 is 1 + eps, so the standardized matrix has an eigenvalue near -eps and
+    every lambda up to eps is singular there."""
+    stats, _, _ = layered()
+    for split in ("fit", "val"):
+        s = stats.part("k", split)
+        g = s.gram()
+        g[:, 4, :], s.xy[:, 4], s.sx[:, 4] = g[:, 3, :], s.xy[:, 3], s.sx[:, 3]
+        g[:, :, 4] = g[:, :, 3]
+        var = g[:, 3, 3] / s.n - (s.sx[:, 3] / s.n) ** 2
+        g[:, 3, 4] = g[:, 4, 3] = g[:, 3, 3] + eps * s.n * var
+        s.xx.copy_(g.triu())
+    return stats
+
+
+def test_a_singular_lambda_is_skipped_and_named_not_fatal():
+    """A rank-deficient fit singular at the smallest lambdas picks among the others and names the ones it
+    skipped; only a fit singular at every lambda fails. Guards: the whole fit aborting at the first
+    singular lambda (`ridge system is singular at lambda=1e-06`, seen on a rank-deficient toy run)."""
+    stats = rank_deficient()
+    selected = torch.tensor([[1, 2], [0, 3], [0, 2]])                      # target 0 reads source layer 1
+    skipped, skipped_single = {}, {}
+    fits = ridge.fit_layers(stats, "k", selected, ridge.LAMBDAS, skipped)
+    assert skipped == {0: [1e-6, 1e-5, 1e-4, 1e-3]}, skipped
+    assert fits[0][3] >= 1e-2 and math.isfinite(fits[0][2]) and torch.isfinite(fits[0][0]).all()
+    r2 = ridge.single_layer_r2(stats, "k", ridge.LAMBDAS, skipped_single)
+    assert skipped_single == {1: [1e-6, 1e-5, 1e-4, 1e-3]} and torch.isfinite(r2).all()
+    with pytest.raises(KvtError) as e:
+        ridge.fit_layers(stats, "k", selected, (1e-6, 1e-4))
+    assert "target layer 0 is singular at every lambda (1e-06, 0.0001)" in str(e.value) and "\n" not in str(e.value)

@@ -73,12 +73,43 @@ def test_resume_is_bit_identical(pair, tmp_path):
                        progress=False)
     path = tmp_path / "stats.safetensors"
     with pytest.raises(Interrupted):
-        accumulate(DiesAfter(src, 3), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2,
+        accumulate(DiesAfter(src, 3), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2, save_s=0,
                    progress=False)
     assert load_stats(path).seen == 4                                        # two rounds of a batch of two
-    resumed = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2, progress=False)
+    resumed = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2, save_s=0,
+                         progress=False)
     assert resumed.seen == len(calib.fit) + len(calib.val) and all_equal(resumed, whole)
     assert all_equal(load_stats(path), whole)
+
+
+def test_checkpoints_come_by_wall_time_and_once_complete(pair, tmp_path, monkeypatch):
+    """A checkpoint is written at a flush point once `save_s` seconds have passed since the last one, and
+    the complete pass once (not at every flush point: 28 saves of tens of GiB per pass on a real pair);
+    final=False writes no complete pass. Guards: saving at every flush point again, or never by time."""
+    src, tgt, calib = pair
+    clock, saves = [0.0], []
+    monkeypatch.setattr(kvt.stats.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(kvt.stats, "save_stats", lambda stats, path: saves.append(stats.seen))
+
+    class Ticking:                                                          # 100 s per source forward pass
+        def __init__(self, model):
+            self.model = model
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, *args, **kw):
+            clock[0] += 100
+            return self.model(*args, **kw)
+
+    n = len(calib.fit) + len(calib.val)                                     # 10 sequences, 5 rounds of 2
+    accumulate(Ticking(src), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, tmp_path / "s", every=1,
+               save_s=250, progress=False)
+    assert saves == [6, n], saves                                           # 300 s in, then complete
+    saves.clear()
+    accumulate(Ticking(src), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, tmp_path / "t", every=1,
+               save_s=250, final=False, progress=False)
+    assert saves == [6], saves
 
 
 def test_resume_refuses_other_data_plan_or_key(pair, tmp_path):
