@@ -34,7 +34,7 @@ def entry(argv):
         print(f"kvt: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
-        print("kvt: interrupted; run the same command again to resume where it stopped", file=sys.stderr)
+        print("\nkvt: interrupted; run the same command again to resume where it stopped", file=sys.stderr)  # \n: after a progress bar
         sys.exit(130)
 
 

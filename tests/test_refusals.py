@@ -326,8 +326,9 @@ def test_ctrl_c_says_a_rerun_resumes(world, tmp_path):
     p = subprocess.Popen([sys.executable, "run.py"] + args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                          text=True, cwd=ROOT)
     deadline = time.time() + 60
-    while not list((tmp_path / "run").glob("stats-*")) and time.time() < deadline:  # calibrating by now
+    while not list((tmp_path / "run").glob("*")) and time.time() < deadline:  # the plan is printed by now
         time.sleep(0.2)
+    time.sleep(3)                                                   # into the models or the calibration
     p.send_signal(signal.SIGINT)
     err = p.communicate(timeout=60)[1].strip().splitlines()
     assert p.returncode == 130 and err[-1] == "kvt: interrupted; run the same command again to resume where it stopped"
