@@ -516,7 +516,7 @@ def where(bad, axes):
     for dim, name in enumerate(axes.split()):
         if bad.shape[dim] == 1:
             continue
-        hit = bad.movedim(dim, 0).flatten(1).any(1).nonzero().flatten().tolist()
+        hit = bad.movedim(dim, 0).reshape(bad.shape[dim], -1).any(1).nonzero().flatten().tolist()
         n = bad.shape[dim]
         parts.append(f"{AXES.get(name, name)} ({name}) {'all ' + str(n) if len(hit) == n else spans(hit) + ' of ' + str(n)}")
     return "; ".join(parts)
@@ -527,10 +527,28 @@ def difference(out, a, e, allowed, axes):
     bad = ((a - e).abs() > allowed) | (a.isnan() != e.isnan())
     err = (a - e).abs().nan_to_num(math.inf)
     at = [int(i) for i in torch.unravel_index(err.flatten().argmax(), err.shape)] if err.numel() else []
-    worst = f"largest at {at}: yours {a[tuple(at)].item():.6g}, the reference {e[tuple(at)].item():.6g}"
+    worst = (f"largest at {at}: yours {a[tuple(at)].item():.6g}, the reference {e[tuple(at)].item():.6g} "
+             f"(allowed difference {allowed:.0e})")
     place = f"; differs at {where(bad, axes)}" if axes and a.dim() == len(axes.split()) else ""
     share = f"{int(bad.sum())} of {bad.numel()} numbers differ"
-    return f"{out} {tuple(a.shape)}{' = (' + ', '.join(axes.split()) + ')' if axes else ''}: {share}{place}; {worst}"
+    planes = f"; {rotation_check(a, e)}" if axes and axes.endswith("D") and a.dim() == len(axes.split()) else ""
+    return f"{out} {tuple(a.shape)}{' = (' + ', '.join(axes.split()) + ')' if axes else ''}: {share}{place}; {worst}{planes}"
+
+
+def rotation_check(a, e):
+    """What a rotation keeps: the length of each plane (channels i, i + D/2). Says whether yours match the
+    reference's (then the angles differ), differ by one factor (a scale), or differ (not these planes)."""
+    half = a.shape[-1] // 2
+    length = lambda x: (x[..., :half] ** 2 + x[..., half:] ** 2).sqrt()   # (..., D/2) per plane
+    la, le = length(a), length(e)
+    ratio = la / le.clamp_min(1e-12)
+    if (la - le).abs().max() <= 1e-4 * max(1.0, le.max().item()):
+        return ("the length of every plane (i, i + D/2) is the reference's, so your planes are right and their "
+                "angles are not: look at the sign of sin, the frequencies and the positions")
+    if (ratio - ratio.median()).abs().max() <= 1e-4 * ratio.median().abs():
+        return f"every plane (i, i + D/2) is {ratio.median().item():.4g} times the reference's length: a scale"
+    return ("the planes (i, i + D/2) do not keep the reference's lengths: yours is not a rotation of those "
+            "planes (is your plane (2i, 2i + 1)?), or it mixes them")
 
 
 # ---- check: one graded function of a student copy, in the generated test ----------------------------------
@@ -585,7 +603,7 @@ def check(student, grader, assignment, name, monkeypatch):
         err = (a - e).nan_to_num(0).abs().max().item() if a.numel() else 0.0
         allowed = graded.tol * max(1.0, e.nan_to_num(0).abs().max().item() if e.numel() else 0.0)
         if err > allowed:
-            problems.append(f"{difference(out, a, e, allowed, axes)} (allowed {allowed:.0e})")
+            problems.append(difference(out, a, e, allowed, axes))
     if problems:
         pytest.fail("\n".join([f"{name}: {len(problems)} of {len(got)} outputs differ from the reference",
                                *problems, f"the case: {about.case}", f"hint: {about.hint}"]), pytrace=False)
@@ -792,7 +810,7 @@ def grade(folder, grader):
         failure = results.get(f.name, why_not_run)
         earned += 0 if failure else f.points
         first, *more = failure.splitlines() if failure else ["pass"]
-        result = "FAIL  " + first.removeprefix(f"{f.name}: ") if failure else "pass"
+        result = "FAIL  " + first.removeprefix("Failed: ").removeprefix(f"{f.name}: ") if failure else "pass"
         print(f"  {0 if failure else f.points:>2} / {f.points:<2} {f.name:<24} {result}")
         for line in more:                                        # where it differs, the case, a hint
             print(f"          {line}")
