@@ -624,9 +624,8 @@ GIVEAWAYS = {
     inv, scale = rope.frequencies(cfg)                         # (student copy: routed through rope.apply and
     B, T, half = pos.shape[0], pos.shape[-1], cfg.head_dim // 2  # rope.strip, which you write)
     e = torch.cat([torch.ones(half), torch.zeros(half)]).to(dtype).expand(B, 1, T, 2 * half)  # (B, 1, T, D)
-    y = (rope.strip if inverse else rope.apply)(e, pos, inv, scale)                            # (B, 1, T, D)
-    cos, sin = y[..., :half].repeat(1, 1, 1, 2), y[..., half:].repeat(1, 1, 1, 2)
-    cos, sin = (cos * scale * scale, sin * scale * scale) if inverse else (cos, sin)
+    y = (rope.strip if inverse else rope.apply)(e, pos, inv, scale)   # (B, 1, T, D): [cos, sin] * scale,
+    cos, sin = y[..., :half].repeat(1, 1, 1, 2), y[..., half:].repeat(1, 1, 1, 2)  # or [cos, -sin] / scale
     made = {}
 
     def on(device):
