@@ -43,9 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvt
-from kvt import bench, handoff, ridge, rope, scoring, stats, summary
-from kvt import mapper as mapper_
-from kvt import toy as toy_
+from kvt import bench, handoff, mapper, ridge, rope, scoring, stats, summary, toy
 from kvt.capture import layer_features
 from kvt.config import Config, KvtError
 from kvt.data import calibration_sequences
@@ -846,14 +844,15 @@ def greedy_layers(stats, kind, k, lams=ridge.LAMBDAS):
     return torch.tensor([sorted(c) for c in chosen])
 
 
-def toy(name):
+def toy_model(name):
+    """A member of the shipped toy family."""
     return kvt.load_model(ROOT / "weights" / name)
 
 
 def toy_calibration(n_seqs=40):
     """The tutorial's calibration text (section 4): toy-corpus documents the models were not trained on."""
     return calibration_sequences(None, kvt.load_tokenizer(ROOT / "weights" / "toy-l"), n_seqs, 256,
-                                 documents=toy_.corpus(2000, seed=99))
+                                 documents=toy.corpus(2000, seed=99))
 
 
 def heldout_r2(fit, val):
@@ -867,7 +866,7 @@ def heldout_r2(fit, val):
 def answer_1():
     """Exercise 1, do not strip RoPE: held-out R^2 of each toy-l key layer from both toy-m layers (head scope),
     on position-free keys and on the cached, rotated ones."""
-    source, target, calib = toy("toy-m"), toy("toy-l"), toy_calibration()
+    source, target, calib = toy_model("toy-m"), toy_model("toy-l"), toy_calibration()
 
     def keys(model, ids, strip):  # (G=Hkv, N, L*D): every layer's keys side by side, per head
         _, cache = model(ids, last=True)
@@ -890,9 +889,9 @@ def answer_1():
 
 def answer_2():
     """Exercise 2, a control: toy-m -> toy-l against a random model of toy-m's shape, layer scope, k = 2."""
-    target, calib = toy("toy-l"), toy_calibration()
-    reports = {name: mapper_.calibrate(m, target, calib, k=2, progress=False)[1]
-               for name, m in (("toy-m", toy("toy-m")), ("random", kvt.build_model(toy("toy-m").config, seed=0)))}
+    target, calib = toy_model("toy-l"), toy_calibration()
+    reports = {name: mapper.calibrate(m, target, calib, k=2, progress=False)[1]
+               for name, m in (("toy-m", toy_model("toy-m")), ("random", kvt.build_model(toy_model("toy-m").config, seed=0)))}
     lines = [f"  {name:<7} R^2 {kind.upper()} per target layer " + " ".join(f"{v:.3f}" for v in r["r2"][kind].tolist())
              for kind in ("k", "v") for name, r in reports.items()]
     trained, random = reports["toy-m"]["r2"], reports["random"]["r2"]
@@ -905,8 +904,8 @@ def answer_2():
 
 def answer_3():
     """Exercise 3, vary k: toy-l (4 layers) -> toy-m, layer scope, k = 1 to 4; mean validation R^2."""
-    source, target, calib = toy("toy-l"), toy("toy-m"), toy_calibration()
-    r2 = {k: mapper_.calibrate(source, target, calib, k=k, progress=False)[1]["r2"] for k in (1, 2, 3, 4)}
+    source, target, calib = toy_model("toy-l"), toy_model("toy-m"), toy_calibration()
+    r2 = {k: mapper.calibrate(source, target, calib, k=k, progress=False)[1]["r2"] for k in (1, 2, 3, 4)}
     lines = [f"  k = {k}: mean R^2 K {r['k'].mean():.4f}, V {r['v'].mean():.4f}" for k, r in r2.items()]
     means = [r2[k][kind].mean().item() for kind in ("k", "v") for k in (1, 4)]
     return lines, [("R^2 at k = 4 (every layer) is at least R^2 at k = 1, for K and for V",
@@ -915,8 +914,8 @@ def answer_3():
 
 def answer_4():
     """Exercise 4, vary lambda: toy-m -> toy-l, layer scope, k = 2, on 8, 40 and 200 calibration sequences."""
-    source, target = toy("toy-m"), toy("toy-l")
-    lams = {n: mapper_.calibrate(source, target, toy_calibration(n), k=2, progress=False)[1]["lambda"] for n in (8, 40, 200)}
+    source, target = toy_model("toy-m"), toy_model("toy-l")
+    lams = {n: mapper.calibrate(source, target, toy_calibration(n), k=2, progress=False)[1]["lambda"] for n in (8, 40, 200)}
     lines = [f"  {n:>3} sequences: lambda K {lam['k']}, V {lam['v']}" for n, lam in lams.items()]
     geo = {n: sum(math.log10(v) for kind in ("k", "v") for v in lam[kind]) for n, lam in lams.items()}
     return lines, [("the chosen lambdas (their geometric mean) move down from 8 to 200 sequences", geo[200] < geo[8])]
@@ -925,8 +924,8 @@ def answer_4():
 def answer_5():
     """Exercise 5, better selection: toy-l (4 layers) -> toy-m, head scope, k = 2: top-k by single-layer R^2
     against greedy forward selection (greedy_layers)."""
-    source, target, calib = toy("toy-l"), toy("toy-m"), toy_calibration()
-    runs = {name: mapper_.calibrate(source, target, calib, scope="head", k=2, select=rule, progress=False)
+    source, target, calib = toy_model("toy-l"), toy_model("toy-m"), toy_calibration()
+    runs = {name: mapper.calibrate(source, target, calib, scope="head", k=2, select=rule, progress=False)
             for name, rule in (("top-k", None), ("greedy", greedy_layers))}
     lines = [f"  {name:<6} layers K {m.layers['k'].tolist()}, V {m.layers['v'].tolist()}; R^2 K "
              + " ".join(f"{v:.4f}" for v in r["r2"]["k"].tolist()) + ", V " + " ".join(f"{v:.4f}" for v in r["r2"]["v"].tolist())

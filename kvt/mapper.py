@@ -264,8 +264,8 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
 
     stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, candidates))
     r2_single = {kind: ridge.single_layer_r2(stats, kind, lams) for kind in KINDS}
-    selected = {kind: select(stats, kind, k, lams) if select else ridge.select_layers(r2_single[kind], stats.src_layers, k)
-                for kind in KINDS}
+    selected = {kind: select(stats, kind, k, lams) if select else       # default: the paper's top-k
+                ridge.select_layers(r2_single[kind], stats.src_layers, k) for kind in KINDS}
     fits = {kind: {} for kind in KINDS}
     if scope == "layer" and matched:
         del stats                                      # free the first pass before the next allocates

@@ -321,7 +321,7 @@ def test_greedy_selection_never_loses_to_top_k_at_k_2():
         r2_top, r2_greedy = (ridge.fit_layers(st, kind, sel) for sel in (top, greedy))
         assert all(r2_greedy[t][2] >= r2_top[t][2] - 1e-12 for t in st.tgt_layers), (top, greedy)
     assert course.greedy_layers(st, "k", 2)[1].tolist() == [1, 4]   # planted: target 1 = f(layer 1) + g(layer 4)
-    source, target = course.toy("toy-m"), course.toy("toy-s")
+    source, target = course.toy_model("toy-m"), course.toy_model("toy-s")
     calib = course.calibration_sequences(None, kvt.load_tokenizer(course.ROOT / "weights" / "toy-s"), 6, 64,
                                          documents=toy.corpus(200, seed=99))
     fixed = lambda stats, kind, k, lams: torch.tensor([[1]] * len(stats.tgt_layers))   # always source layer 1
