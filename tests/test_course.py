@@ -1,7 +1,7 @@
 """The course kit (kvt/course.py): every assignment scores 0 with its stubs and full marks with the
 reference bodies, a typical student mistake, planted by editing the generated copy, costs exactly the
-points of its own function and says where it is, and the answer key stays in the grader folder. About a
-minute and a half on one core: each grade is a pytest subprocess."""
+points of its own function and says where it is, and the answer key stays in the grader folder. Each
+grade is a pytest subprocess (about 7 s of CPU): a few minutes on one busy core."""
 import ast
 import shutil
 
@@ -116,23 +116,25 @@ def test_a_failure_says_the_case_where_it_differs_and_a_hint(solutions, tmp_path
     positions and RoPE recipe, without which channels or positions differ, or without a hint; and a
     plane check that cannot tell a wrong plane layout (neighbors (2i, 2i + 1)) from wrong angles."""
     folder = overridden(solutions, tmp_path, "rope", "kvt/rope.py", """
+
 def rotate(x, cos, sin, out=None):  # planted: planes (2i, 2i + 1)
     half = x.shape[-1] // 2
     x1, x2, c, s = x[..., 0::2], x[..., 1::2], cos[..., :half], sin[..., :half]
     y = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], -1).flatten(-2)
     return y if out is None else out.copy_(y)
-""")
-    printed = assert_costs_exactly(folder, "rope.rotate", capsys)
-    for words in ("y (2, 3, 5, 16) = (B, H, T, D)", "channels (D) all 16", "positions (2, 5) drawn from 0-2999",
-                  "scale 1", "is your plane (2i, 2i + 1)?", "hint: plane i is channels (i, i + D/2)",
-                  "buffer (2, 3, 8, 16) = (B, H, T, D)", "positions (T) 0-4 of 8"):
-        assert words in printed, f"{words!r} not in:\n{printed}"
-    folder = overridden(solutions, tmp_path / "scale", "rope", "kvt/rope.py", """
+
+
 def strip(y, pos, inv_freq, scale=1.0):  # planted: the scale not divided out
     cos, sin = cos_sin(pos, inv_freq, scale, torch.promote_types(y.dtype, torch.float32))
     return rotate(y.to(cos.dtype), cos, -sin).to(y.dtype)
 """)
-    printed = assert_costs_exactly(folder, "rope.strip", capsys)
+    status, printed = grade(folder, capsys)                        # one grade, two mistakes: 6 of 12 lost
+    assert status == 1 and score(printed) == (6, 12), printed
+    assert [line.split()[3] for line in printed.splitlines() if "FAIL" in line] == ["rope.rotate", "rope.strip"]
+    for words in ("y (2, 3, 5, 16) = (B, H, T, D)", "channels (D) all 16", "positions (2, 5) drawn from 0-2999",
+                  "scale 1", "is your plane (2i, 2i + 1)?", "hint: plane i is channels (i, i + D/2)",
+                  "buffer (2, 3, 8, 16) = (B, H, T, D)", "positions (T) 0-4 of 8"):
+        assert words in printed, f"{words!r} not in:\n{printed}"
     assert "every plane (i, i + D/2) is 1.562 times the reference's length: a scale" in printed, printed
     assert "scale 1.25" in printed and "hint: strip(y, p) rotates back by -p" in printed, printed
 
