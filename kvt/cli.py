@@ -7,7 +7,7 @@
     kvt family build [options] build a pruned and healed sibling of a checkpoint (kvt/family.py)
     kvt figures r2|gate ...    the layer R^2 map of a pair; diagnostics against retention (kvt/figures.py)
     kvt cascade RECORDS        a small -> large cascade from a run's records: accuracy against cost (kvt/cascade.py)
-    kvt course list|make|grade assignments cut out of kvt for students, and their autograder (kvt/course.py)
+    kvt course list|make|grade|answers   assignments cut out of kvt for students, their autograder, the exercises' answers (kvt/course.py)
 
 A problem the user can fix ends as one line on stderr, `kvt: ...`, with exit status 2 (argparse's own
 errors exit 2 too); Ctrl-C ends with a line saying that a rerun resumes, and exit status 130.

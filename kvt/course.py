@@ -1,24 +1,28 @@
 """A course kit: assignments cut out of kvt's own code, and an autograder for them (docs/course.md).
 
     python -m kvt.course list                                  # the assignments, their functions and points
-    python -m kvt.course make --assignment rope --out DIR      # a student copy of kvt with stubs to fill in
-    python -m kvt.course grade DIR                             # a score per function; exit 1 below full marks
+    python -m kvt.course make --assignment rope --out DIR      # a student copy, and DIR-grader, the answer key
+    python -m kvt.course grade DIR --grader DIR-grader         # a score per function; exit 1 below full marks
+    python -m kvt.course answers                               # the exercises' checkable answers (instructors)
 
-`make` copies kvt (the package, tutorial.md, run.py, requirements.txt, and the toy checkpoints the
-tutorial's blocks read) into DIR and replaces the body of each graded function by one line,
-`raise NotImplementedError("rope.strip: implement this (tutorial section 3)")`. The signature, the
+`make` writes two folders. The student copy: kvt (the package, tutorial.md, run.py, requirements.txt,
+and the toy checkpoints the tutorial's blocks read), in which the body of each graded function is one
+line, `raise NotImplementedError("rope.strip: implement this (tutorial section 3)")`. The signature, the
 docstring and comments standing before the first statement stay. The body (its first statement after
 the docstring through end_lineno, found with ast) is cut out of the source text, since ast.unparse
 would drop every comment. Comments inside the body go with it, because they give answers away
-(scoring's off-by-one note), except standalone shape comments such as `# (B, Hkv, T, D)`.
+(scoring's off-by-one note), except standalone shape comments such as `# (B, Hkv, T, D)`. Other code
+that computes a graded function's answer is cut the same way (GIVEAWAYS).
 
-Grading compares numbers, not code. At make time every graded function's CASE (below: seeded inputs,
-tiny tensors and random tiny models) runs on the reference code, and its outputs go to
-DIR/grading/expected.safetensors. `grade` runs DIR/grading/ with pytest in a subprocess, one test per
-function (test_function[rope.strip]). While function F is tested, the assignment's other graded
-functions are swapped for the reference ones (DIR/grading/reference/, copies of the original modules,
-which a student can read: docs/course.md), so a mistake in one function costs only its own points even
-when F calls it.
+The grader folder, which stays with the instructor as a Gradescope autograder does: the reference
+modules, the numbers each graded function must reproduce, the test, and a copy of this file. At make
+time every graded function's CASE (below: seeded inputs, tiny tensors and random tiny models) runs on
+the reference code, and its outputs go to GRADER/expected.safetensors. `grade` runs GRADER's test with
+pytest in a subprocess on one thread, with the student copy first on the path, one test per function
+(test_function[rope.strip]). While function F is tested, the assignment's other graded functions are
+swapped for the reference ones (GRADER/reference/), so a mistake in one function costs only its own
+points even when F calls it. A failure says what the case ran, where the output differs (which rows,
+heads, positions, channels), and a hint written for that case.
 """
 import argparse
 import ast
@@ -39,8 +43,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvt
-from kvt import bench, handoff, ridge, rope, scoring, stats, summary
+from kvt import bench, handoff, mapper, ridge, rope, scoring, stats, summary, toy
+from kvt.capture import layer_features
 from kvt.config import Config, KvtError
+from kvt.data import calibration_sequences
 
 KVT = Path(__file__).resolve().parent   # the package, copied into every assignment
 ROOT = KVT.parent                       # the working copy: tutorial.md, run.py, weights/toy-*
@@ -89,8 +95,8 @@ ASSIGNMENTS = {
         Graded("ridge.weights", 2, 6, "ridge at any lambda from the eigendecomposition, and the bias"),
         Graded("ridge.sse", 3, 4, "held-out squared error from sums alone, without the tokens"),
         Graded("ridge.sst", 1, 4, "the total sum of squares, R^2's denominator"))),
-    "mapper": Assignment("Layer selection, the mapper, and the handoff", (5, 7, 9), (
-        Graded("ridge.single_layer_r2", 3, 5, "validation R^2 of every (source layer, target layer) fit"),
+    "mapper": Assignment("Layer selection, the mapper, and the handoff", (4, 5, 7, 9), (
+        Graded("ridge.single_layer_r2", 3, 4, "validation R^2 of every (source layer, target layer) fit"),
         Graded("ridge.select_layers", 2, 5, "top-k source layers per target layer, ascending"),
         Graded("mapper.Mapper.apply", 4, 7, "strip the source's RoPE, map, apply the target's RoPE"),
         Graded("handoff.handoff", 3, 9, "the source reads T - 1 tokens, the target runs the last itself"))),
@@ -357,16 +363,206 @@ def case_retention():
     return out
 
 
+# ---- what each case is, for the grader's messages ----------------------------------------------------------
+
+AXES = {"B": "rows", "H": "heads", "Hkv": "KV heads", "T": "positions", "D": "channels", "i": "frequencies",
+        "L": "layers", "G": "groups", "F": "features", "O": "outputs", "Ls": "source layers", "Lt": "target layers",
+        "k": "selected", "V": "vocabulary", "n": "items"}
+
+
+@dataclass(frozen=True)
+class About:
+    case: str            # what the case runs: shapes, positions, recipe, scale
+    hint: str            # what to look at when it fails, written for this case
+    axes: dict = None    # output name -> its axes ("B H T D"), so a failure says which rows, heads, positions differ
+
+
+ROPE_X = ("x (B=2, H=3, T=5, D=16), positions (2, 5) drawn from 0-2999, another offset per row, default "
+          "frequencies theta_i = 10000^(-2i/16)")
+BHTD = "B H T D"
+CACHE = {"keys": "L B Hkv T D", "values": "L B Hkv T D", "positions": "B T", "mask": "B T"}
+ABOUT = {
+    "rope.rotate": About(
+        f"{ROPE_X}, scale 1; y = rotate(x, cos, sin); buffer: a zero (2, 3, 8, 16) tensor whose first 5 slots "
+        "are passed as out=",
+        "plane i is channels (i, i + D/2), not (2i, 2i + 1): y[..., :D/2] = x1 cos - x2 sin and y[..., D/2:] = "
+        "x2 cos + x1 sin, with x1, x2 the halves of x and cos, sin as cos_sin makes them (each angle twice); "
+        "with out= given, write into it, return it, and leave the 3 slots after it at zero",
+        {"y": BHTD, "buffer": BHTD}),
+    "rope.apply": About(
+        f"per_row: {ROPE_X}, scale 1.25; shared: the same x at row 0's positions given as a (T,) tensor, scale 1",
+        "apply is rotate with cos_sin(pos, inv_freq, scale, x.dtype): cos_sin takes (B, T) or (T,) positions and "
+        "already multiplies cos and sin by the scale",
+        {"per_row": BHTD, "shared": BHTD}),
+    "rope.strip": About(
+        f"{ROPE_X}, scale 1.25, x in float64 (y, and dtype: 1 when y is float64), then in float32 (float32)",
+        "strip(y, p) rotates back by -p: y cos - rotate_half(y) sin, divided by cos^2 + sin^2 (cos_sin's cos and sin "
+        "carry the scale, so that division also removes it); keep a float64 input in float64",
+        {"y": BHTD, "float32": BHTD}),
+    "rope._llama3": About(
+        "inv_freq of D = 64 (32 frequencies) at base 500000; factor 8, low_freq_factor 1, high_freq_factor 4, "
+        "original_max_position_embeddings 64: wavelengths 2 pi / theta below 16 (i = 0-2) are kept, above 64 "
+        "(i = 6-31) divided by 8, between (i = 3-5) blended",
+        "with wavelength w = 2 pi / theta and old = original_max_position_embeddings: w < old / high_freq_factor "
+        "keeps theta; w > old / low_freq_factor gives theta / factor; between, (1 - s) theta / factor + s theta "
+        "with s = (old / w - low_freq_factor) / (high_freq_factor - low_freq_factor)",
+        {"inv_freq": "i"}),
+    "rope._yarn": About(
+        "recipe 0: Ministral 3's keys (factor 16, original 16, mscale 1, mscale_all_dim 0.5), base 1e6, D = 32; "
+        "recipe 1: factor 8, original 32, nothing else, base 1e4, D = 16; recipe 2: factor 4, original 64, "
+        "attention_factor 1.5, beta_fast 16, beta_slow 2, truncate false, base 1e4, D = 32",
+        "inv_freq = theta / factor * ramp + theta * (1 - ramp), ramp rising from 0 to 1 between the channels "
+        "whose wavelength fits beta_fast (default 32) and beta_slow (default 1) times into the original context "
+        "(floored and ceiled unless truncate is false, clamped to 0..D-1); scale = attention_factor if given, "
+        "else mscale(factor, mscale) / mscale(factor, mscale_all_dim) if both are given, else mscale(factor), "
+        "with mscale(s, m) = 0.1 m ln s + 1 (1 for s <= 1): recipe 0's scale is 1.1218, 1's 1.2079, 2's 1.5",
+        {f"inv_freq{i}": "i" for i in range(3)}),
+    "stats.Pending.add_": About(
+        "x (G=2, N=100, F=5) with a mean 1000 times its spread, y (2, 100, 3) = 2 x[..., :3] - 1500 + noise, "
+        "added in two batches of 60 and 40 tokens with float32 products",
+        "center each batch on the shift (the first batch's mean) before multiplying in float32, so the "
+        "covariances that subtract two large numbers keep their digits",
+        {"gram": "G F F", "xy": "G F O", "sx": "G F", "sy": "G O", "syy": "G O", "cov_xx": "G F F",
+         "cov_xy": "G F O", "var_y": "G O"}),
+    "stats.Sums.add_shifted_": About(
+        "the same two batches as stats.Pending.add_ (means near 1000, float32 products)",
+        "sums of x from sums of x - m: sum x x^T = sum (x-m)(x-m)^T + m (sum (x-m))^T + (sum (x-m)) m^T + n m m^T, "
+        "and likewise for x y^T, x, y and y^2",
+        {"gram": "G F F", "xy": "G F O", "sx": "G F", "sy": "G O", "syy": "G O", "cov_xx": "G F F",
+         "cov_xy": "G F O", "var_y": "G O"}),
+    "ridge.eigen": About(
+        "2 groups of 300 tokens, 6 features with means near 50 and spreads from 0.1 to 10, feature 2 constant "
+        "(7.0), 3 outputs; fits at lambda 1e-6, 0.1 and 10 through the reference weights",
+        "C_xx = sum x x^T / n - mean mean^T (centered); standardize by the features' standard deviations (a "
+        "constant feature has none: give it weight 0), then one eigendecomposition",
+        {**{f"W{lam}": "G F O" for lam in ("1e-06", "0.1", "10")}, **{f"b{lam}": "G O" for lam in ("1e-06", "0.1", "10")}}),
+    "ridge.weights": About(
+        "ridge.eigen's case, on the reference eigen: lambda 1e-6, 0.1 and 10",
+        "W = S^-1 Q diag(1 / (e + lambda)) Q^T S^-1 C_xy from the eigendecomposition R = Q diag(e) Q^T of the "
+        "standardized covariance, then b = mean(y) - mean(x) W",
+        {**{f"W{lam}": "G F O" for lam in ("1e-06", "0.1", "10")}, **{f"b{lam}": "G O" for lam in ("1e-06", "0.1", "10")}}),
+    "ridge.sse": About("sums of 2 groups of 300 tokens (6 features, 3 outputs), random W (2, 6, 3) and b (2, 3)",
+                       "expand sum (y - x W - b)^2 into the sums s holds: syy - 2 (W xy + b sy) + W^T gram W "
+                       "+ 2 b sx W + n b^2, per output", {"sse": "G O"}),
+    "ridge.sst": About("sums of 2 groups of 300 tokens, 3 outputs", "sum (y - mean y)^2 = syy - sy^2 / n, per output",
+                       {"sst": "G O"}),
+    "ridge.single_layer_r2": About(
+        "head-scope statistics of 3 source layers (numbered 1, 4, 7) and 2 target layers, 2 groups of 4 channels, "
+        "300 fit and 100 validation tokens; k: the default lambdas, v: lambdas (1e-3, 1, 100)",
+        "for every (source layer, target layer): fit on the fit sums at each lambda, score R^2 = 1 - sse / sst "
+        "on the validation sums (summed over groups and channels), keep the best lambda's; rows follow the "
+        "statistics' source layers, not 0..Ls-1", {"k": "Ls Lt", "v": "Ls Lt"}),
+    "ridge.select_layers": About(
+        "an R^2 map (Ls=5, Lt=3) of source layers numbered 0, 2, 4, 6, 8; k = 2, and k = 9 (more than there are)",
+        "per target layer, the k source layers with the highest R^2, as layer numbers (not row indices), in "
+        "ascending order; k above Ls keeps them all", {"k2": "Lt k", "k9": "Lt k"}),
+    "mapper.Mapper.apply": About(
+        "a random 2-layer source (default RoPE, base 1e4) to a 3-layer target with YaRN RoPE (factor 16, "
+        "scale 1.1218), 2 KV heads of 16 channels, a batch of 2 x 7 tokens, row 1 left-padded by 2; layer "
+        "scope k = 2 and head scope k = 1 mappers with a bias; moved_: positions + 100 and room=1",
+        "strip the source's RoPE (the source's frequencies and scale) from its keys, x @ W + b over the "
+        "selected source layers, lay the result out as (B, Hkv, T, D), and rotate keys only by the target's "
+        "RoPE at the target positions (the target's frequencies and scale); values get no RoPE",
+        {**CACHE, **{p + n: a for p in ("head_", "moved_") for n, a in CACHE.items()}}),
+    "handoff.handoff": About(
+        "a random 2-layer source and 3-layer target, a head-scope mapper; 2 x 9 tokens with row 0 left-padded "
+        "by 3 (padded_), one row (one_), one token (single_token_), and Recompute(last=2) (recompute_)",
+        "the source prefills tokens 0..T-2, the mapper maps that cache, the target runs token T-1 on it; a "
+        "one-token prompt has nothing to map",
+        {**{p + n: a for p in ("padded_", "one_", "single_token_", "recompute_") for n, a in CACHE.items()},
+         **{p + "logits": "B T V" for p in ("padded_", "one_", "single_token_", "recompute_")}}),
+    "scoring.loglikelihoods": About(
+        "a random 2-layer model, a 7-token context and 4 continuations (1, 4, 3 and 2 tokens; the third is the "
+        "model's own greedy continuation); other_prefill: a context cache from another prefill function",
+        "logits at position j predict token j + 1: a continuation's first token is scored by the context's last "
+        "logits, each later token by the logits of the token before it; greedy: every token the argmax",
+        {"ll": "n", "greedy": "n", "other_prefill": "n"}),
+    "scoring.mc_metrics": About(
+        "loglikelihoods (-3, -1, -1, -2) with gold 1, then (-3, -1, -1.2, -2) with gold 2; choices 'a', 'bb', "
+        "'ccc', 'd' (lengths 1, 2, 3, 1); each item is (pred, pred_norm, acc, acc_norm)",
+        "pred: the argmax of the loglikelihoods, the first on a tie; pred_norm: of each divided by its "
+        "choice's length in characters"),
+    "summary.wilson": About(
+        "(k, n) = (0, 0), (0, 10), (10, 10), (3, 7), (45, 60) at z = 1.96 (two bounds each), and (3, 7) at z = 2.58",
+        "center (p + z^2 / 2n) / (1 + z^2 / n), half-width z sqrt(p (1 - p) / n + z^2 / 4n^2) / (1 + z^2 / n), "
+        "clipped to [0, 1]; (0, 1) when n = 0"),
+    "summary.bootstrap": About(
+        "200 paired items a and b = a + noise; 2000 resamples of the mean of a, and of mean(a) - mean(b); "
+        "no items; and a statistic that is always None",
+        "resample item indices with replacement, the same indices for every column (paired); the 2.5% and "
+        "97.5% quantiles of the finite statistics; (None, None) with no items or no finite resample"),
+    "summary._retention": About(
+        "120 items of acc under target, transfer (missing every 17th item) and floor; with and without the floor; "
+        "each row is (n, ratio, its interval, floor-normalized, its interval)",
+        "only the items every condition scored; ratio = transfer / target and (transfer - floor) / (target - "
+        "floor), each with a paired bootstrap interval (summary.bootstrap over the conditions' columns)"),
+}
+
+
+def spans(indices):
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, run = [], []
+    for i in indices:
+        if run and i != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+            run = []
+        run.append(i)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+    return ", ".join(out)
+
+
+def where(bad, axes):
+    """Which indices along each named axis hold a difference: 'channels 8-15 of 16; positions all 5'."""
+    parts = []
+    for dim, name in enumerate(axes.split()):
+        if bad.shape[dim] == 1:
+            continue
+        hit = bad.movedim(dim, 0).reshape(bad.shape[dim], -1).any(1).nonzero().flatten().tolist()
+        n = bad.shape[dim]
+        parts.append(f"{AXES.get(name, name)} ({name}) {'all ' + str(n) if len(hit) == n else spans(hit) + ' of ' + str(n)}")
+    return "; ".join(parts)
+
+
+def difference(out, a, e, allowed, axes):
+    """One paragraph: how far output `out` is from the reference's, where, and the largest difference."""
+    bad = ((a - e).abs() > allowed) | (a.isnan() != e.isnan())
+    err = (a - e).abs().nan_to_num(0)                                   # None (NaN) where both are None
+    at = [int(i) for i in torch.unravel_index(err.flatten().argmax(), err.shape)] if err.numel() else []
+    worst = (f"largest at {at}: yours {a[tuple(at)].item():.6g}, the reference {e[tuple(at)].item():.6g} "
+             f"(allowed difference {allowed:.0e})")
+    place = f"; differs at {where(bad, axes)}" if axes and a.dim() == len(axes.split()) else ""
+    share = f"{int(bad.sum())} of {bad.numel()} numbers differ"
+    planes = f"; {rotation_check(a, e)}" if axes and axes.endswith("D") and a.dim() == len(axes.split()) else ""
+    return f"{out} {tuple(a.shape)}{' = (' + ', '.join(axes.split()) + ')' if axes else ''}: {share}{place}; {worst}{planes}"
+
+
+def rotation_check(a, e):
+    """What a rotation keeps: the length of each plane (channels i, i + D/2). Says whether yours match the
+    reference's (then the angles differ), differ by one factor (a scale), or differ (not these planes)."""
+    half = a.shape[-1] // 2
+    length = lambda x: (x[..., :half] ** 2 + x[..., half:] ** 2).sqrt()   # (..., D/2) per plane
+    la, le = length(a), length(e)
+    ratio = la / le.clamp_min(1e-12)
+    if (la - le).abs().max() <= 1e-4 * max(1.0, le.max().item()):
+        return ("the length of every plane (i, i + D/2) is the reference's, so your planes are right and their "
+                "angles are not: look at the sign of sin, the frequencies and the positions")
+    if (ratio - ratio.median()).abs().max() <= 1e-4 * ratio.median().abs():
+        return f"every plane (i, i + D/2) is {ratio.median().item():.4g} times the reference's length: a scale"
+    return ("the planes (i, i + D/2) do not keep the reference's lengths: yours is not a rotation of those "
+            "planes (is your plane (2i, 2i + 1)?), or it mixes them")
+
+
 # ---- check: one graded function of a student copy, in the generated test ----------------------------------
 
-_REFERENCE = {}  # module name -> the reference module loaded from grading/reference/
+_REFERENCE = {}  # module name -> the reference module loaded from GRADER/reference/
 
 
-def use_reference(grading, name, monkeypatch):
+def use_reference(grader, name, monkeypatch):
     """Swap the student's `name` for the reference one, wherever a kvt module holds it."""
     module, *path = name.split(".")
     if module not in _REFERENCE:
-        file = Path(grading) / "reference" / f"{module}.py"
+        file = Path(grader) / "reference" / f"{module}.py"
         spec = importlib.util.spec_from_file_location(f"kvt_reference_{module}", file)
         _REFERENCE[module] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_REFERENCE[module])
@@ -380,42 +576,81 @@ def use_reference(grading, name, monkeypatch):
             monkeypatch.setattr(m, path[-1], theirs)
 
 
-def check(grading, assignment, name, monkeypatch):
-    """Assert that graded function `name` reproduces the reference's numbers, the assignment's other graded
-    functions being the reference ones meanwhile. The assertion message is one line."""
-    grading = Path(grading).resolve()
-    assert KVT == grading.parent / "kvt", f"kvt was imported from {KVT}, not from the copy beside {grading}"
+def check(student, grader, assignment, name, monkeypatch):
+    """Fail (a message of a few lines) unless graded function `name` of the student copy reproduces the
+    reference's numbers, the assignment's other graded functions being the reference ones meanwhile."""
+    import pytest
+    student, grader = Path(student).resolve(), Path(grader).resolve()
+    here = Path(kvt.__file__).resolve().parent
+    assert here == student / "kvt", f"kvt was imported from {here}, not from the student copy {student}"
     graded = next(f for f in ASSIGNMENTS[assignment].functions if f.name == name)
     for other in ASSIGNMENTS[assignment].functions:
         if other.name != name:
-            use_reference(grading, other.name, monkeypatch)
+            use_reference(grader, other.name, monkeypatch)
     got = CASES[name]()
-    want = load_file(grading / "expected.safetensors")
+    want = load_file(grader / "expected.safetensors")
+    about = ABOUT.get(name, About("(not described)", "(none)"))
+    problems = []
     for out, value in got.items():
         a, e = torch.as_tensor(value).detach().to(f64), want[f"{name}/{out}"]
-        assert a.shape == e.shape, f"{name}: {out} has shape {tuple(a.shape)}, the reference's {tuple(e.shape)}"
-        assert torch.equal(a.isnan(), e.isnan()), f"{name}: {out} is None where the reference's is not, or the reverse"
+        axes = (about.axes or {}).get(out)
+        if a.shape != e.shape:
+            problems.append(f"{out} has shape {tuple(a.shape)}, the reference's {tuple(e.shape)}"
+                            f"{' = (' + ', '.join(axes.split()) + ')' if axes else ''}")
+            continue
+        if not torch.equal(a.isnan(), e.isnan()):
+            problems.append(f"{out} is None where the reference's is not, or the reverse: yours {a.tolist()}, "
+                            f"the reference {e.tolist()} (nan: None)")
+            continue
         err = (a - e).nan_to_num(0).abs().max().item() if a.numel() else 0.0
         allowed = graded.tol * max(1.0, e.nan_to_num(0).abs().max().item() if e.numel() else 0.0)
-        assert err <= allowed, f"{name}: {out} differs from the reference by {err:.2e} (allowed {allowed:.0e})"
+        if err > allowed:
+            problems.append(difference(out, a, e, allowed, axes))
+    if problems:
+        pytest.fail("\n".join([f"{name}: {len(problems)} of {len(got)} outputs differ from the reference",
+                               *problems, f"the case: {about.case}", f"hint: {about.hint}"]), pytrace=False)
 
 
 # ---- make -------------------------------------------------------------------------------------------------
 
 SHAPE = re.compile(r"\((B|G|N|T|n|H|Hkv|L|Ls|Lt), ")  # a shape comment: "# (B, Hkv, T, D)"
 
+# Other kvt code that computes a graded function's answer: in the student copy its body is replaced by one
+# that calls the graded functions, so it works exactly when they do (and shows nothing of how).
+GIVEAWAYS = {
+    "rope": {"mapper.rotation": """\
+    inv, scale = rope.frequencies(cfg)                         # (student copy: routed through rope.apply and
+    B, T, half = pos.shape[0], pos.shape[-1], cfg.head_dim // 2  # rope.strip, which you write)
+    e = torch.cat([torch.ones(half), torch.zeros(half)]).to(dtype).expand(B, 1, T, 2 * half)  # (B, 1, T, D)
+    y = (rope.strip if inverse else rope.apply)(e, pos, inv, scale)   # (B, 1, T, D): [cos, sin] * scale,
+    cos, sin = y[..., :half].repeat(1, 1, 1, 2), y[..., half:].repeat(1, 1, 1, 2)  # or [cos, -sin] / scale
+    made = {}
 
-def stub(source, functions):
-    """source with the body of each Graded function replaced by a NotImplementedError (module docstring)."""
+    def on(device):
+        if device not in made:
+            made[device] = cos.to(device), sin.to(device)
+        return made[device]
+    return on
+"""},
+}
+
+
+def stub(source, functions, routed=None):
+    """source with the body of each Graded function replaced by a NotImplementedError (module docstring),
+    and of each function named in `routed` {"module.function": new body} by that body."""
     lines, tree, cuts = source.splitlines(keepends=True), ast.parse(source), []
-    for f in functions:
+    for name, new_body in [(f.name, None) for f in functions] + list((routed or {}).items()):
         node = tree
-        for part in f.name.split(".")[1:]:
+        for part in name.split(".")[1:]:
             node = next(n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
         first = node.body[1 if ast.get_docstring(node) is not None else 0]  # the first statement after the docstring
+        if new_body is not None:
+            cuts.append((first.lineno - 1, node.end_lineno, [new_body]))
+            continue
+        section = next(f.section for f in functions if f.name == name)
         body = lines[first.lineno - 1:node.end_lineno]
         shapes = [line for line in body if line.strip().startswith("#") and SHAPE.search(line)]
-        error = f'raise NotImplementedError("{f.name}: implement this (tutorial section {f.section})")\n'
+        error = f'raise NotImplementedError("{name}: implement this (tutorial section {section})")\n'
         cuts.append((first.lineno - 1, node.end_lineno, shapes + [" " * first.col_offset + error]))
     for start, end, new in sorted(cuts, reverse=True):              # from the bottom up: line numbers stay valid
         lines[start:end] = new
@@ -423,18 +658,29 @@ def stub(source, functions):
 
 
 TEST = '''"""The grader of assignment {name!r}: one test per graded function, against the reference's numbers
-(expected.safetensors). Run it with `python -m kvt.course grade .` from the assignment's folder."""
+(expected.safetensors). `python -m kvt.course grade STUDENT --grader THIS_FOLDER` runs it, with the
+student copy first on the path and KVT_STUDENT naming it."""
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 
-from kvt.course import ASSIGNMENTS, check
+HERE = Path(__file__).parent
+spec = importlib.util.spec_from_file_location("kvt_course_grader", HERE / "course.py")  # this folder's copy of
+grader = importlib.util.module_from_spec(spec)                                         # the checks, not the
+spec.loader.exec_module(grader)                                                        # student's
 
 
-@pytest.mark.parametrize("function", [f.name for f in ASSIGNMENTS[{name!r}].functions])
+@pytest.mark.parametrize("function", [f.name for f in grader.ASSIGNMENTS[{name!r}].functions])
 def test_function(function, monkeypatch):
-    check(Path(__file__).parent, {name!r}, function, monkeypatch)
+    grader.check(os.environ["KVT_STUDENT"], HERE, {name!r}, function, monkeypatch)
 '''
+
+ONE_THREAD = """Run everything here on one thread (`export OMP_NUM_THREADS=1`, or `torch.set_num_threads(1)` first
+thing in Python): the models are tiny, and on a shared or busy machine torch's threads wait for each other
+(on a loaded 2-core machine the tutorial's section 7 block took 248 s with torch's default threads and
+10.6 s with one). `grade` runs its tests on one thread already."""
 
 
 def readme(name, solution):
@@ -448,47 +694,59 @@ def readme(name, solution):
 
 Read {a.reading} (tutorial.md) beside the code. {todo}
 
+{ONE_THREAD}
+
 | function | file | points | tutorial section | what it teaches |
 |---|---|---|---|---|
 {rows}
 
-Grade your work from this folder (pytest, one line per function; exit status 0 at full marks only):
+Grade your work from this folder with the grader folder your instructor keeps (or, studying alone, the
+`-grader` folder that `make` wrote beside this one: it holds the reference code, so reading it is reading
+the answers):
 
-    python -m kvt.course grade .
+    python -m kvt.course grade . --grader GRADER_FOLDER
 
-Each function is graded on its own: while one is tested, the other functions of this table are the
-reference ones, so a mistake costs only its own points. The tests compare your outputs with numbers the
-reference implementation computed (grading/expected.safetensors) on the inputs of kvt/course.py's cases.
-grading/reference/ holds the reference modules the grader swaps in: reading them is reading the answers.
+It prints one line per function (exit status 0 at full marks only). Each function is graded on its own:
+while one is tested, the other functions of this table are the reference ones, so a mistake costs only its
+own points. A failure says what the grader ran (shapes, positions, the RoPE recipe and scale), where your
+output differs from the reference's (which rows, heads, positions, channels), and a hint for that case.
 """
 
 
-def make(name, out, solution=False):
-    """Write assignment `name` to the new folder `out` (atomically: built beside it, then renamed)."""
+def make(name, out, grader=None, solution=False):
+    """Write assignment `name`: the student copy to the new folder `out`, the grader to `grader` (default:
+    `out` + "-grader"), each built beside its place and then renamed. Returns (out, grader)."""
     if name not in ASSIGNMENTS:
         raise KvtError(f"no assignment {name!r}; the assignments are {', '.join(ASSIGNMENTS)}")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise KvtError(f"{out} already exists and is not an empty folder; give a new one")
-    if not out.parent.is_dir():
-        raise KvtError(f"{out.parent} does not exist; create it first")
+    grader = Path(grader) if grader else out.with_name(out.name + "-grader")
+    for folder in (out, grader):
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+            raise KvtError(f"{folder} already exists and is not an empty folder; give a new one")
+        if not folder.parent.is_dir():
+            raise KvtError(f"{folder.parent} does not exist; create it first")
     if not (ROOT / "tutorial.md").exists():
         raise KvtError(f"make needs a working copy of kvt (a clone): there is no tutorial.md beside {KVT}")
     a = ASSIGNMENTS[name]
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)                                             # mkdtemp's 0o700 would hide it from a class
+    tmp = [Path(tempfile.mkdtemp(prefix=f".{f.name}.", dir=f.parent)) for f in (out, grader)]
+    student, key = tmp
     try:
-        shutil.copytree(KVT, tmp / "kvt", ignore=shutil.ignore_patterns("__pycache__"))
+        for t in tmp:
+            t.chmod(0o755)                                       # mkdtemp's 0o700 would hide it from a class
+        shutil.copytree(KVT, student / "kvt", ignore=shutil.ignore_patterns("__pycache__"))
         for f in ("tutorial.md", "run.py", "requirements.txt"):
-            shutil.copy(ROOT / f, tmp / f)
+            shutil.copy(ROOT / f, student / f)
         for w in sorted((ROOT / "weights").glob("toy-*")):       # the tutorial's blocks load the toy family
-            shutil.copytree(w, tmp / "weights" / w.name)
-        (tmp / "grading" / "reference").mkdir(parents=True)
-        for module in dict.fromkeys(f.module for f in a.functions):
+            shutil.copytree(w, student / "weights" / w.name)
+        (key / "reference").mkdir()
+        routed = {} if solution else GIVEAWAYS.get(name, {})
+        for module in dict.fromkeys([f.module for f in a.functions] + [r.split(".")[0] for r in routed]):
             source = (KVT / f"{module}.py").read_text()
-            (tmp / "grading" / "reference" / f"{module}.py").write_text(source)
+            (key / "reference" / f"{module}.py").write_text(source)
             if not solution:
-                (tmp / "kvt" / f"{module}.py").write_text(stub(source, [f for f in a.functions if f.module == module]))
+                mine = [f for f in a.functions if f.module == module]
+                (student / "kvt" / f"{module}.py").write_text(
+                    stub(source, mine, {r: b for r, b in routed.items() if r.split(".")[0] == module}))
         expected = {}
         for f in a.functions:                                    # the reference's numbers: this kvt's own code
             try:
@@ -497,45 +755,55 @@ def make(name, out, solution=False):
                 raise KvtError(f"{f.name} is a stub in {KVT}; run make from kvt's own working copy") from None
             expected.update({f"{f.name}/{k}": torch.as_tensor(v).detach().to(f64).contiguous()
                              for k, v in outputs.items()})
-        save_file(expected, tmp / "grading" / "expected.safetensors")
-        (tmp / "grading" / "expected.safetensors").chmod(0o644)  # safetensors writes it 0o600
-        (tmp / "grading" / f"test_{name}.py").write_text(TEST.format(name=name))
-        (tmp / "grading" / "assignment.json").write_text(json.dumps({"assignment": name, "solution": solution,
-                                                                     "kvt_version": kvt.__version__}) + "\n")
-        (tmp / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")  # stops pytest's search here
-        (tmp / "README.md").write_text(readme(name, solution))
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        save_file(expected, key / "expected.safetensors")
+        (key / "expected.safetensors").chmod(0o644)              # safetensors writes it 0o600
+        shutil.copy(KVT / "course.py", key / "course.py")        # the checks the test runs, out of the student's hands
+        (key / f"test_{name}.py").write_text(TEST.format(name=name))
+        info = json.dumps({"assignment": name, "solution": solution, "kvt_version": kvt.__version__}) + "\n"
+        (key / "assignment.json").write_text(info)
+        (key / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")  # stops pytest's search here
+        (student / "README.md").write_text(readme(name, solution))
+        cut = 'raise KvtError("the exercises\' answers are for instructors: run it from kvt\'s own working copy")\n'
+        (student / "kvt" / "course.py").write_text(stub((KVT / "course.py").read_text(), [],
+                                                        {f"course.{fn.__name__}": "    " + cut for fn in ANSWER_CODE}))
+        for t, folder in zip(tmp, (out, grader)):
+            if folder.exists():
+                folder.rmdir()
+            os.replace(t, folder)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for t in tmp:
+            shutil.rmtree(t, ignore_errors=True)
         raise
-    return out
+    return out, grader
 
 
 # ---- grade ------------------------------------------------------------------------------------------------
 
-def grade(folder):
-    """Run an assignment's grader; print the score table; return (points earned, points possible)."""
-    folder = Path(folder)
+def grade(folder, grader):
+    """Run an assignment's grader on a student copy; print the score table; return (points earned, possible)."""
+    folder, grader = Path(folder), Path(grader)
     if not folder.is_dir():
         raise KvtError(f"{folder}: no such folder (make one: python -m kvt.course make --assignment NAME --out DIR)")
-    info = folder / "grading" / "assignment.json"
-    if not info.exists():
-        raise KvtError(f"{folder} is not a kvt assignment (no grading/assignment.json); give the folder `make` wrote")
+    if not (folder / "kvt" / "__init__.py").exists():
+        raise KvtError(f"{folder} is not a kvt student copy (no kvt/ in it); give the folder `make` wrote with --out")
+    info = grader / "assignment.json"
+    if not info.exists() or not (grader / "expected.safetensors").exists():
+        raise KvtError(f"{grader} is not a kvt grader folder (no assignment.json and expected.safetensors in it); "
+                       "give the -grader folder `make` wrote")
     name = json.loads(info.read_text())["assignment"]
     if name not in ASSIGNMENTS:
-        raise KvtError(f"{folder} is assignment {name!r}, which this kvt does not know ({', '.join(ASSIGNMENTS)})")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder.resolve()), os.environ.get("PYTHONPATH", "")])}
+        raise KvtError(f"{grader} grades assignment {name!r}, which this kvt does not know ({', '.join(ASSIGNMENTS)})")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder.resolve()), os.environ.get("PYTHONPATH", "")]),
+           "KVT_STUDENT": str(folder.resolve()),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}   # tiny cases: more threads only wait for each other
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "results.xml"
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", "grading"], cwd=folder,
-                             env=env, capture_output=True, text=True)
-        results = {}  # graded function -> None (passed) or the first line of what failed
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", f"test_{name}.py"],
+                             cwd=grader, env=env, capture_output=True, text=True)
+        results = {}  # graded function -> None (passed) or the lines of what failed
         for tc in ElementTree.parse(xml).iter("testcase") if xml.exists() else []:  # test_function[<graded name>]
             bad = next((tc.find(tag) for tag in ("failure", "error", "skipped") if tc.find(tag) is not None), None)
-            why = None if bad is None else (bad.get("message") or "failed").splitlines()[0]
-            results[tc.get("name").partition("[")[2][:-1]] = why
+            results[tc.get("name").partition("[")[2][:-1]] = None if bad is None else (bad.get("message") or "failed")
     output = (run.stdout + run.stderr).strip().splitlines()
     errors = [line[1:].strip() for line in output if line.startswith("E ")]   # pytest's lines of the error,
     errors = [e for e in errors if "Error:" in e] + errors                      # the exception's own first
@@ -545,32 +813,176 @@ def grade(folder):
     for f in a.functions:
         failure = results.get(f.name, why_not_run)
         earned += 0 if failure else f.points
-        result = "FAIL  " + failure if failure else "pass"
+        first, *more = failure.splitlines() if failure else ["pass"]
+        result = "FAIL  " + first.removeprefix("Failed: ").removeprefix(f"{f.name}: ") if failure else "pass"
         print(f"  {0 if failure else f.points:>2} / {f.points:<2} {f.name:<24} {result}")
+        for line in more:                                        # where it differs, the case, a hint
+            print(f"          {line}")
     print(f"  {earned:>2} / {a.points:<2} total")
     return earned, a.points
+
+
+# ---- the exercises' answers, for instructors: python -m kvt.course answers ---------------------------------
+# Each runs on the shipped toy family in seconds on one thread, and returns (lines to print, checks: [(what
+# must hold, whether it does)]). In the student copy make cuts their bodies (ANSWER_CODE), as it stubs.
+
+def greedy_layers(stats, kind, k, lams=ridge.LAMBDAS):
+    """Exercise 5's rule, a `select` for mapper.calibrate: per target layer, start from no source layer and
+    add, k times, the one that raises the validation R^2 of the joint fit the most. (Lt, k), ascending."""
+    chosen = [[] for _ in stats.tgt_layers]                          # per target layer, in stats.tgt_layers order
+    for _ in range(min(k, len(stats.src_layers))):
+        best = [(-math.inf, None)] * len(chosen)
+        for s in stats.src_layers:                                   # s added to every target layer at once
+            rows = {t: c + [s if s not in c else next(x for x in stats.src_layers if x not in c)]  # (a row that
+                    for t, c in zip(stats.tgt_layers, chosen)}                                     # has s: unused)
+            fits = ridge.fit_layers(stats, kind, {t: torch.tensor(sorted(r)) for t, r in rows.items()}, lams)
+            for j, t in enumerate(stats.tgt_layers):
+                if s not in chosen[j] and fits[t][2] > best[j][0]:
+                    best[j] = (fits[t][2], s)
+        for c, (_, s) in zip(chosen, best):
+            c.append(s)
+    return torch.tensor([sorted(c) for c in chosen])
+
+
+def toy_model(name):
+    """A member of the shipped toy family."""
+    return kvt.load_model(ROOT / "weights" / name)
+
+
+def toy_calibration(n_seqs=40):
+    """The tutorial's calibration text (section 4): toy-corpus documents the models were not trained on."""
+    return calibration_sequences(None, kvt.load_tokenizer(ROOT / "weights" / "toy-l"), n_seqs, 256,
+                                 documents=toy.corpus(2000, seed=99))
+
+
+def heldout_r2(fit, val):
+    """Validation R^2 of the ridge fit of y on x, (x (G, N, F), y (G, N, O)) per region, at its best lambda."""
+    sf, sv = (stats.Sums.zeros(x.shape[0], x.shape[2], y.shape[2]).add_(x.double(), y.double(), products=f64)
+              for x, y in (fit, val))
+    eig = ridge.eigen(sf)
+    return max(1 - (ridge.sse(sv, *ridge.weights(eig, lam)).sum() / ridge.sst(sv).sum()).item() for lam in ridge.LAMBDAS)
+
+
+def answer_1():
+    """Exercise 1, do not strip RoPE: held-out R^2 of each toy-l key layer from both toy-m layers (head scope),
+    on position-free keys and on the cached, rotated ones."""
+    source, target, calib = toy_model("toy-m"), toy_model("toy-l"), toy_calibration()
+
+    def keys(model, ids, strip):  # (G=Hkv, N, L*D): every layer's keys side by side, per head
+        _, cache = model(ids, last=True)
+        ks = [rope.strip(k, cache.positions, model.inv_freq, model.rope_scale) if strip else k for k in cache.keys]
+        return [layer_features(k, "head") for k in ks]
+
+    lines, checks, r2 = [], [], {}
+    with torch.no_grad():
+        for strip in (True, False):
+            xs = {r: torch.cat(keys(source, getattr(calib, r), strip), -1) for r in ("fit", "val")}
+            ys = {r: keys(target, getattr(calib, r), strip) for r in ("fit", "val")}
+            r2[strip] = [heldout_r2((xs["fit"], ys["fit"][t]), (xs["val"], ys["val"][t])) for t in range(4)]
+    for name, strip in (("position-free keys", True), ("rotated keys", False)):
+        lines.append(f"  {name:<19} R^2 K per target layer " + " ".join(f"{v:.3f}" for v in r2[strip]))
+    checks.append(("rotated keys fit worse on every target layer, and layer 0 (a function of the token alone, "
+                   "rotated alike on both sides) loses least", all(a > b for a, b in zip(r2[True], r2[False]))
+                   and r2[True][0] - r2[False][0] == min(a - b for a, b in zip(r2[True], r2[False]))))
+    return lines, checks
+
+
+def answer_2():
+    """Exercise 2, a control: toy-m -> toy-l against a random model of toy-m's shape, layer scope, k = 2."""
+    target, calib = toy_model("toy-l"), toy_calibration()
+    reports = {name: mapper.calibrate(m, target, calib, k=2, progress=False)[1]
+               for name, m in (("toy-m", toy_model("toy-m")), ("random", kvt.build_model(toy_model("toy-m").config, seed=0)))}
+    lines = [f"  {name:<7} R^2 {kind.upper()} per target layer " + " ".join(f"{v:.3f}" for v in r["r2"][kind].tolist())
+             for kind in ("k", "v") for name, r in reports.items()]
+    trained, random = reports["toy-m"]["r2"], reports["random"]["r2"]
+    checks = [("the trained source explains every target layer better than the random one",
+               all(bool((trained[kind] > random[kind]).all()) for kind in ("k", "v"))),
+              ("the random source still explains most of target layer 0 (R^2 K above 0.5): its keys are a function "
+               "of the token", random["k"][0].item() > 0.5)]
+    return lines, checks
+
+
+def answer_3():
+    """Exercise 3, vary k: toy-l (4 layers) -> toy-m, layer scope, k = 1 to 4; mean validation R^2."""
+    source, target, calib = toy_model("toy-l"), toy_model("toy-m"), toy_calibration()
+    r2 = {k: mapper.calibrate(source, target, calib, k=k, progress=False)[1]["r2"] for k in (1, 2, 3, 4)}
+    lines = [f"  k = {k}: mean R^2 K {r['k'].mean():.4f}, V {r['v'].mean():.4f}" for k, r in r2.items()]
+    means = [r2[k][kind].mean().item() for kind in ("k", "v") for k in (1, 4)]
+    return lines, [("R^2 at k = 4 (every layer) is at least R^2 at k = 1, for K and for V",
+                    means[1] >= means[0] and means[3] >= means[2])]
+
+
+def answer_4():
+    """Exercise 4, vary lambda: toy-m -> toy-l, layer scope, k = 2, on 8, 40 and 200 calibration sequences."""
+    source, target = toy_model("toy-m"), toy_model("toy-l")
+    lams = {n: mapper.calibrate(source, target, toy_calibration(n), k=2, progress=False)[1]["lambda"] for n in (8, 40, 200)}
+    lines = [f"  {n:>3} sequences: lambda K {lam['k']}, V {lam['v']}" for n, lam in lams.items()]
+    geo = {n: sum(math.log10(v) for kind in ("k", "v") for v in lam[kind]) for n, lam in lams.items()}
+    return lines, [("the chosen lambdas (their geometric mean) move down from 8 to 200 sequences", geo[200] < geo[8])]
+
+
+def answer_5():
+    """Exercise 5, better selection: toy-l (4 layers) -> toy-m, head scope, k = 2: top-k by single-layer R^2
+    against greedy forward selection (greedy_layers)."""
+    source, target, calib = toy_model("toy-l"), toy_model("toy-m"), toy_calibration()
+    runs = {name: mapper.calibrate(source, target, calib, scope="head", k=2, select=rule, progress=False)
+            for name, rule in (("top-k", None), ("greedy", greedy_layers))}
+    lines = [f"  {name:<6} layers K {m.layers['k'].tolist()}, V {m.layers['v'].tolist()}; R^2 K "
+             + " ".join(f"{v:.4f}" for v in r["r2"]["k"].tolist()) + ", V " + " ".join(f"{v:.4f}" for v in r["r2"]["v"].tolist())
+             for name, (m, r) in runs.items()]
+    top, greedy = runs["top-k"][1]["r2"], runs["greedy"][1]["r2"]
+    return lines, [("at k = 2 greedy's validation R^2 is at least top-k's on every target layer (both start from the "
+                    "best single layer; greedy then picks the best partner)",
+                    all(bool((greedy[kind] >= top[kind] - 1e-12).all()) for kind in ("k", "v")))]
+
+
+ANSWERS = {1: answer_1, 2: answer_2, 3: answer_3, 4: answer_4, 5: answer_5}
+ANSWER_CODE = [greedy_layers, *ANSWERS.values()]                     # cut from the student copy by make
+
+
+def answers(numbers=None):
+    """Print each exercise's answer (numbers and the checks that must hold); returns whether every check held."""
+    ok = True
+    for n in numbers or ANSWERS:
+        fn = ANSWERS[n]
+        lines, checks = fn()
+        print(f"exercise {n}: {fn.__doc__.split(':')[0].split(', ', 1)[1]}")
+        print("\n".join(lines))
+        for what, holds in checks:
+            print(f"  {'holds' if holds else 'FAILS'}: {what}")
+            ok &= holds
+    return ok
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="kvt course", description="Assignments cut out of kvt, and their autograder.")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the assignments, their functions and points")
+    e = sub.add_parser("answers", help="the tutorial's exercises' answers, recomputed (instructors); exit 1 if a check fails")
+    e.add_argument("--exercise", type=int, action="append", choices=sorted(ANSWERS), help="only these (repeatable)")
     m = sub.add_parser("make", help="write a student copy of kvt with the assignment's functions stubbed")
     m.add_argument("--assignment", required=True, help=", ".join(ASSIGNMENTS))
-    m.add_argument("--out", required=True, help="a new folder")
+    m.add_argument("--out", required=True, help="a new folder: the student copy")
+    m.add_argument("--grader", help="a new folder: the grader, the answer key (default: OUT-grader)")
     m.add_argument("--solution", action="store_true", help="keep the reference bodies (to check the grader)")
-    sub.add_parser("grade", help="run an assignment's grader; exit status 1 below full marks").add_argument("folder")
+    g = sub.add_parser("grade", help="run an assignment's grader on a student copy; exit status 1 below full marks")
+    g.add_argument("folder", help="the student copy")
+    g.add_argument("--grader", required=True, help="the grader folder make wrote beside it")
     args = ap.parse_args(argv)
     if args.command == "list":
         for name, a in ASSIGNMENTS.items():
             print(f"{name}: {a.title} ({a.reading}), {a.points} points")
             for f in a.functions:
                 print(f"  {f.points} {f.name:<24} section {f.section}: {f.teaches}")
+    elif args.command == "answers":
+        if not answers(args.exercise):
+            sys.exit(1)
     elif args.command == "make":
-        out = make(args.assignment, args.out, args.solution)
-        print(f"wrote {out}: {out / 'README.md'} says what to do; grade it with: python -m kvt.course grade {out}")
+        out, grader = make(args.assignment, args.out, args.grader, args.solution)
+        print(f"wrote {out} (the student copy: {out / 'README.md'} says what to do) and {grader} (the grader, "
+              f"for the instructor); grade with: python -m kvt.course grade {out} --grader {grader}")
     elif args.command == "grade":
-        earned, total = grade(args.folder)
+        earned, total = grade(args.folder, args.grader)
         if earned < total:
             sys.exit(1)
 

@@ -225,7 +225,7 @@ def target_groups(selected, bx, by, bound):
 
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, checkpoint=None, key="",
               stats_device=None, tokenizer="", progress=True, products=torch.float32, stats_dtype=torch.float64,
-              candidates=None, group=None, keep_stats=True, save_s=SAVE_S):
+              candidates=None, group=None, keep_stats=True, save_s=SAVE_S, select=None):
     """Fit a ridge Mapper from source to target on a data.Calibration (fit and validation regions).
 
     1. statistics over the candidate source layers (head-level when the pair has matched KV);
@@ -244,6 +244,9 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     the mapper is saved).
     products: dtype of the per-batch statistics products; stats_dtype: dtype of the sums (float32 halves
     their memory); candidates: how many source layers, spread evenly, to select from (default all).
+    select: the layer-selection rule of step 2, a function (stats, kind, k, lams) -> LongTensor (Lt, k) of
+    source layer numbers per target layer, ascending, read from the first pass's statistics (fit and
+    validation parts, stats.src_layers); default the paper's top-k by single-layer R^2 (ridge.select_layers).
     Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
     Returns (mapper, report): report["r2_single"][kind] (C, Lt) validation R^2 of single-layer fits of the
     C candidates, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the final fits."""
@@ -266,7 +269,8 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     skipped = {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}  # singular lambdas
     stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, candidates))
     r2_single = {kind: ridge.single_layer_r2(stats, kind, lams, skipped["select"][kind]) for kind in KINDS}
-    selected = {kind: ridge.select_layers(r2_single[kind], stats.src_layers, k) for kind in KINDS}
+    selected = {kind: select(stats, kind, k, lams) if select else       # default: the paper's top-k
+                ridge.select_layers(r2_single[kind], stats.src_layers, k) for kind in KINDS}
     fits = {kind: {} for kind in KINDS}
     if scope == "layer" and matched:
         del stats                                      # free the first pass before the next allocates
