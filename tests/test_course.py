@@ -64,6 +64,8 @@ def test_stubs_score_zero(name, tmp_path, capsys):
     assert not (folder / "tests").exists() and not (folder / "runs").exists()
     readme = (folder / "README.md").read_text()
     assert all(f"`{f.name}`" in readme for f in a.functions) and "OMP_NUM_THREADS=1" in readme
+    mine = (folder / "kvt" / "course.py").read_text()                # the exercises' answers are cut from it
+    assert "def greedy_layers" in mine and "ridge.fit_layers(" not in mine and "mapper.calibrate(" not in mine
 
 
 @pytest.mark.parametrize("name", list(course.ASSIGNMENTS))
