@@ -19,6 +19,12 @@ class KvtError(Exception):
     """A problem the user can fix; run.py prints it as one line and exits with code 2."""
 
 
+def at_least(name, value, least=1, why=""):
+    """Refuse a command-line number below `least`: `--name value: must be at least least (why)`."""
+    if value is not None and value < least:
+        raise KvtError(f"--{name} {value}: must be at least {least}{why}")
+
+
 ARCHITECTURES = {  # config.json "architectures"[0] -> family
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",

@@ -46,7 +46,7 @@ import kvt
 from kvt import dist, evals, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.cache import keep_freed_memory
-from kvt.config import KvtError, check_matched_kv, find_weights, load_config, parse_pair
+from kvt.config import KvtError, at_least, check_matched_kv, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
@@ -124,9 +124,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
-    def positive(name, value, least=1, why=""):
-        if value is not None and value < least:
-            raise KvtError(f"--{name} {value}: must be at least {least}{why}")
+    positive = at_least
     positive("k", args.k, why=" (source layers per target layer; the paper uses 8)")
     positive("calib-seqs", args.calib_seqs, why=" (calibration sequences; the paper uses 500)")
     positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
@@ -159,21 +157,6 @@ def check_args(args):
     positive("context", args.context, 2)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise KvtError(f"--out {args.out} is a file; give a folder (it is created if missing)")
-
-
-def check_devices(devices):
-    """Every device named must exist here: a one-line error for a typo or a GPU this machine lacks."""
-    for d in devices:
-        try:
-            dev = torch.device(d)
-        except RuntimeError:
-            raise KvtError(f"unknown device {d!r}; use cpu, cuda or cuda:N")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise KvtError(f"--device {d}: CUDA is not available on this machine; use --device cpu")
-        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-            raise KvtError(f"--device {d}: this machine has {torch.cuda.device_count()} CUDA devices")
-        if dev.type not in ("cpu", "cuda", "meta", "mps"):
-            raise KvtError(f"device {d!r} is not one kvt runs on; use cpu or cuda:N")
 
 
 def check_lengths(lengths, cfgs, tok):
@@ -452,7 +435,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         if name not in task_names:
             raise KvtError(f"--task-limit {name}={limits[name]}: {name!r} is not a task of this run "
                            f"({', '.join(task_names)}); check its name")
-    check_devices(args.devices.split(",") if args.devices else [args.device])
+    dist.check_devices(args.devices.split(",") if args.devices else [args.device])
     devices = dist.init(args.devices.split(",") if args.devices else [args.device])
     args.device = devices[0]
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))

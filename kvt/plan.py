@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvt.config import KvtError, check_matched_kv, matched_kv, parse_pair, shape
+from kvt.config import KvtError, at_least, check_matched_kv, matched_kv, parse_pair, shape
 from kvt.stats import candidate_layers, groups, memory_plan
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
@@ -333,20 +333,24 @@ def summary(src_cfg, tgt_cfg, counts=(1, 2, 4, 8), gpus=("h100", "h200"), **kw):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Print the memory plan of a pair on named GPUs (no hardware needed).")
-    ap.add_argument("--pair", default="qwen3-14b:32b")
+    ap = argparse.ArgumentParser(prog="kvt plan", description="Print the memory plan of a pair on named GPUs (no "
+                                 "hardware needed).")
+    ap.add_argument("--pair", default="qwen3-14b:32b", help="FAMILY-SRC:TGT of known shapes (default qwen3-14b:32b)")
     ap.add_argument("--scope", default="layer", choices=["head", "layer"], help="layer: the paper's (default)")
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--calib-len", type=int, default=1024)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--stats-dtype", default="float64", choices=["float64", "float32"])
-    ap.add_argument("--candidates", type=int, default=None)
-    ap.add_argument("--gpu", default="h200", choices=sorted(GPUS))
+    ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
+    ap.add_argument("--context", type=int, default=32768, help="tokens of the longest context to transfer")
+    ap.add_argument("--batch", type=int, default=1, help="contexts transferred at once")
+    ap.add_argument("--calib-len", type=int, default=1024, help="tokens per calibration sequence (paper: 1024)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="model weights")
+    ap.add_argument("--stats-dtype", default="float64", choices=["float64", "float32"],
+                    help="calibration statistics (float32 halves them)")
+    ap.add_argument("--candidates", type=int, default=None, help="consider only this many evenly spaced source layers")
+    ap.add_argument("--gpu", default="h200", choices=sorted(GPUS), help="the GPU model to plan for")
     ap.add_argument("--count", type=int, default=1, help="how many of those GPUs")
     ap.add_argument("--summary", action="store_true", help="a table over scopes, statistics dtypes, H100/H200 x 1-8")
     args = ap.parse_args(argv)
+    for name, least in (("k", 1), ("context", 1), ("batch", 1), ("calib-len", 2), ("candidates", 2), ("count", 1)):
+        at_least(name, getattr(args, name.replace("-", "_")), least)
     src, tgt = (shape(n) for n in parse_pair(args.pair))
     kw = dict(k=args.k, context=args.context, batch=args.batch, calib_len=args.calib_len,
               dtype=getattr(torch, args.dtype), candidates=args.candidates)

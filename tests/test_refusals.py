@@ -573,3 +573,60 @@ def test_an_output_folder_kvt_cannot_write_is_refused(world, monkeypatch, tmp_pa
         run.main(argv(world, out=tmp_path))
     with pytest.raises(KvtError, match="cannot write to .*make it writable, or choose another --out"):
         run.open_records(tmp_path, {})
+
+
+# ---- plan, bench, cascade: their arguments and files ---------------------------------------------------------
+
+@pytest.mark.parametrize("module,args,words", [
+    ("plan", ["--k", "0"], ["--k 0: must be at least 1"]),
+    ("plan", ["--context", "0"], ["--context 0: must be at least 1"]),
+    ("plan", ["--batch", "-3"], ["--batch -3: must be at least 1"]),
+    ("plan", ["--count", "0"], ["--count 0: must be at least 1"]),
+    ("bench", ["--lengths", "abc"], ["--lengths 'abc'", "e.g. 512,1024"]),
+    ("bench", ["--recompute", "abc"], ["--recompute 'abc'", "fractions of the prompt in (0, 1]"]),
+    ("bench", ["--k", "0", "--lengths", "4", "--repeats", "1"], ["--k 0: must be at least 1"]),
+    ("bench", ["--repeats", "0"], ["--repeats 0: must be at least 1"]),
+    ("bench", ["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], ["--device", "use"]),
+    ("cascade", ["R", "--tokens", "0"], ["--tokens 0: must be at least 1"]),
+    ("cascade", ["R", "--tokens", "-5"], ["--tokens -5: must be at least 1"]),
+    ("cascade", ["R", "--frac", "5"], ["--frac 5.0", "within [0, 1]"]),
+    ("cascade", ["R", "--k", "0"], ["--k 0: must be at least 1"]),
+    ("cascade", ["R", "--shapes", "qwen3-1.7b:0.6b"], ["qwen3-1.7b is not smaller than qwen3-0.6b", "small model first"]),
+    ("cascade", ["DONE/results.json"], ["is not a records file", "not its results.json"]),
+    ("cascade", ["DONE/missing.jsonl"], ["no such records file", "records-*.jsonl"]),
+    ("cascade", ["R", "--bench", "DONE/missing.json"], ["--bench", "no such file", "kvt bench --lengths 4096 --json"]),
+    ("cascade", ["R", "--bench", "DONE/results.json"], ["is not a kvt bench --json file", "kvt bench --lengths"]),
+], ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_plan_bench_and_cascade_arguments_are_one_line(world, module, args, words):
+    """Guards: plan saying "fits" for --k 0, --context 0 or --batch -3 (-30 GiB) and a traceback for --count 0;
+    bench tracebacks for --lengths abc, --recompute abc, --k 0 (after minutes of work) and CUDA that is not
+    there; cascade accepting --tokens 0, --frac 5, --k 0 or a large:small --shapes, and tracebacks on a
+    results.json, a missing records file, a missing or broken --bench file."""
+    import importlib
+    done = world["done"]
+    args = [str(the(done, "records-*")) if a == "R" else a.replace("DONE", str(done)) for a in args]
+    with pytest.raises(KvtError) as e:
+        importlib.import_module(f"kvt.{module}").main(args)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_cascade_refuses_a_cut_or_corrupt_records_file(world):
+    """Guards: kvt cascade reading a records file cut short (447 of 800 items) or with a corrupt middle
+    line without a word, over the items that happened to be there."""
+    from kvt import cascade
+    folder = run_folder_copy(world, "cascade_cut")
+    records = the(folder, "records-*")
+    lines = records.read_text().splitlines()
+    cascade.read(records)                                             # the whole file reads
+    records.write_text("\n".join(lines[:-4]) + "\n")                  # the last item cut off, at a line boundary
+    with pytest.raises(KvtError, match=r"holds 5 of the 6 items .*results.json lists; the file was cut short"):
+        cascade.read(records)
+    records.write_text("\n".join(lines[:-2]) + "\n")                  # an item without all its conditions
+    with pytest.raises(KvtError, match=r"1 items lack a condition .*run it again with the same settings"):
+        cascade.read(records)
+    records.write_text("\n".join(lines[:3] + ["{corrupt"] + lines[4:]) + "\n")
+    with pytest.raises(KvtError, match=r"line 4: not a record \(corrupt\)"):
+        cascade.read(records)
+    records.write_text("\n".join(lines) + "\n" + lines[-1][:20])      # a torn last line is skipped
+    assert len(cascade.read(records)) == len(lines) - 1
