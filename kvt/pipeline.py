@@ -66,7 +66,8 @@ MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="kvt run", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name> (default: the toy family)")
     ap.add_argument("--source", type=Path, help="source checkpoint folder (instead of --pair)")
     ap.add_argument("--target", type=Path, help="target checkpoint folder (instead of --pair)")

@@ -630,3 +630,110 @@ def test_cascade_refuses_a_cut_or_corrupt_records_file(world):
         cascade.read(records)
     records.write_text("\n".join(lines) + "\n" + lines[-1][:20])      # a torn last line is skipped
     assert len(cascade.read(records)) == len(lines) - 1
+
+
+# ---- figures, toy, family, and the kvt command itself -------------------------------------------------------
+
+@pytest.mark.parametrize("args,words", [
+    (["gate"], ["figures gate reads files", "results.json files"]),
+    (["scaling"], ["figures scaling reads files", "kvt bench --json files"]),
+    (["gate", "DONE/missing.json"], ["missing.json: no such file", "give a results.json"]),
+    (["scaling", "DONE/results.json"], ["is not a kvt bench --json file", "lacks"]),
+    (["gate", "RECORDS"], ["is not a results.json of a finished kvt run", "JSONDecodeError"]),
+    (["recompute", "DONE"], ["is not a results.json", "IsADirectoryError"]),
+    (["r2", "--k", "0"], ["--k 0: must be at least 1"]),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_figures_arguments_and_files_are_one_line(world, args, words):
+    """Guards: kvt figures gate with no files ending in exit 0 and a table of nan; tracebacks for a
+    missing file, a results.json given to scaling, a records .jsonl given to gate, and r2 --k 0."""
+    from kvt import figures
+    done = world["done"]
+    args = [str(the(done, "records-*")) if a == "RECORDS" else a.replace("DONE", str(done)) for a in args]
+    with pytest.raises(KvtError) as e:
+        figures.main(args)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_figures_r2_finds_the_toy_family_where_kvt_finds_it(monkeypatch, tmp_path):
+    """Guards: kvt figures r2 after `pip install .` looking for the toy weights in site-packages/weights
+    (they install in <prefix>/share/kvt/weights, which kvt.config.find_weights looks in)."""
+    from kvt import config, figures
+    seen = []
+    monkeypatch.setattr(config, "find_weights", lambda name, weights=None: seen.append(name) or tmp_path / name)
+    with pytest.raises(KvtError, match="no checkpoint folder"):
+        figures.main(["r2"])
+    assert seen == ["toy-s", "toy-m"]
+
+
+def test_toy_and_family_arguments_are_one_line(tmp_path):
+    """Guards: kvt toy train --max-steps 0 ending in UnboundLocalError, and kvt family build --seq-len 0 in a
+    ZeroDivisionError after a minute of work."""
+    from kvt import family, toy
+    with pytest.raises(KvtError, match=r"--max-steps 0: must be at least 1"):
+        toy.main(["train", "--max-steps", "0", "--out", str(tmp_path)])
+    fam = ["build", "--parent", str(ROOT / "weights" / "toy-m"), "--kind", "depth", "--out", str(tmp_path / "sib")]
+    for extra, words in [(["--seq-len", "0"], "--seq-len 0: must be at least 2"),
+                         (["--tokens", "10"], "--tokens 10: fewer than one step"), (["--lr", "0"], "--lr 0.0")]:
+        with pytest.raises(KvtError, match=words):
+            family.main(fam + extra)
+    assert not (tmp_path / "sib").exists()
+
+
+def test_a_failed_family_build_removes_the_out_it_created(tmp_path):
+    """Guards: a kvt family build refused after it made --out (a --keep beyond the parent's layers)
+    leaving an empty folder behind."""
+    from kvt import family
+    shared = SHARED / "data" / "calib"
+    if not (shared / "wikitext-2" / "valid.txt").exists():
+        pytest.skip("no ../shared/data/calib")
+    with pytest.raises(KvtError, match="--keep 99"):
+        family.main(["build", "--parent", str(ROOT / "weights" / "toy-m"), "--kind", "depth", "--out",
+                     str(tmp_path / "sib"), "--keep", "99", "--score-seqs", "1", "--score-len", "8", "--windows", "1",
+                     "--window-len", "8"])
+    assert not (tmp_path / "sib").exists()
+
+
+def kvt_cli(capsys, *args):
+    """`kvt ARGS` in this process: (exit status, stdout, stderr)."""
+    from kvt import cli
+    with pytest.raises(SystemExit) as e:
+        cli.entry(list(args))
+        sys.exit(0)
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def test_the_kvt_command_says_how_to_use_it(capsys):
+    """Guards: `kvt --help` and a bare `kvt` printing the command list to stderr with no usage line and
+    no hint about `kvt <command> --help`; subcommands calling themselves `kvt` or `python -m kvt.toy`;
+    cascade, figures, family and toy exiting 1 on user errors where the rest exit 2."""
+    code, out, err = kvt_cli(capsys, "--help")
+    assert code == 0 and out.startswith("usage: kvt <command>") and "kvt <command> --help" in out and not err
+    code, out, err = kvt_cli(capsys)
+    assert code == 2 and err.startswith("usage: kvt <command>")
+    code, out, err = kvt_cli(capsys, "nope")
+    assert code == 2 and err.strip() == ("kvt: unknown command 'nope'; the commands are run, bench, plan, toy, family, "
+                                         "figures, cascade, course (kvt --help)")
+    for cmd in ("run", "bench", "plan", "toy", "family", "figures", "cascade"):
+        code, out, err = kvt_cli(capsys, cmd, "--help")
+        assert code == 0 and out.startswith(f"usage: kvt {cmd} "), (cmd, out[:80])
+    for args in (["cascade", "nope.jsonl"], ["figures", "gate"], ["toy", "train", "--max-steps", "0"],
+                 ["family", "build", "--parent", "x", "--kind", "depth", "--out", "y", "--seq-len", "0"]):
+        code, out, err = kvt_cli(capsys, *args)
+        assert code == 2 and err.startswith("kvt: ") and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_plan_and_bench_options_have_help(monkeypatch):
+    """Guards: most plan and bench options without a word of help."""
+    import argparse
+
+    from kvt import bench, plan
+    given, add = [], argparse.ArgumentParser.add_argument
+    monkeypatch.setattr(argparse.ArgumentParser, "add_argument",
+                        lambda self, *a, **kw: given.append((a[0], kw.get("help"))) or add(self, *a, **kw))
+    for module in (plan, bench):
+        with pytest.raises(SystemExit), pytest.MonkeyPatch.context() as m:
+            m.setattr(sys, "stdout", open("/dev/null", "w"))
+            module.main(["--help"])
+    assert len(given) > 20 and not [name for name, text in given if not text], given
