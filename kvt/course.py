@@ -515,22 +515,35 @@ def make(name, out, solution=False):
 
 # ---- grade ------------------------------------------------------------------------------------------------
 
-def grade(folder):
-    """Run an assignment's grader; print the score table; return (points earned, points possible)."""
+def grade(folder, timeout=600):
+    """Run an assignment's grader; print the score table; return (points earned, points possible).
+    timeout: seconds the grader may run (a student's endless loop then fails every function, saying why)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise KvtError(f"{folder}: no such folder (make one: python -m kvt.course make --assignment NAME --out DIR)")
     info = folder / "grading" / "assignment.json"
     if not info.exists():
         raise KvtError(f"{folder} is not a kvt assignment (no grading/assignment.json); give the folder `make` wrote")
-    name = json.loads(info.read_text())["assignment"]
+    try:
+        name = json.loads(info.read_text())["assignment"]
+    except (ValueError, KeyError, TypeError, IndexError):  # not JSON, or not the object `make` writes
+        name = None
+    if not isinstance(name, str):
+        raise KvtError(f"{info} is not the file `kvt course make` writes (no \"assignment\" name); make the "
+                       "assignment again and copy your functions into it")
+    if importlib.util.find_spec("pytest") is None:
+        raise KvtError("the grader runs pytest, which is not installed; pip install pytest")
     if name not in ASSIGNMENTS:
         raise KvtError(f"{folder} is assignment {name!r}, which this kvt does not know ({', '.join(ASSIGNMENTS)})")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder.resolve()), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "results.xml"
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", "grading"], cwd=folder,
-                             env=env, capture_output=True, text=True)
+        try:
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", "grading"], cwd=folder,
+                                 env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:  # pytest killed: its report, if any, is cut short
+            run = subprocess.CompletedProcess([], 1, "", f"E   TimeoutError: the grader ran past {timeout} s and was "
+                                                         "stopped (a loop that never ends?)")
         results = {}  # graded function -> None (passed) or the first line of what failed
         for tc in ElementTree.parse(xml).iter("testcase") if xml.exists() else []:  # test_function[<graded name>]
             bad = next((tc.find(tag) for tag in ("failure", "error", "skipped") if tc.find(tag) is not None), None)

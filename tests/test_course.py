@@ -205,3 +205,48 @@ def test_bad_input_is_one_line_and_exit_status_2(solutions, tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("kvt: ") and words in err and err.count("\n") == 1, err
     assert (tmp_path / "plain" / "notes.txt").read_text() == "mine" and not (tmp_path / "x").exists()
+
+
+# ---- the grader's own failures: one line, or a score that says why ---------------------------------------
+
+def test_a_broken_assignment_json_is_one_line(solutions, tmp_path, capsys):
+    """Guards: grading/assignment.json that is not JSON, lacks "assignment" or is a list ending in a
+    JSONDecodeError, KeyError or TypeError traceback."""
+    for i, text in enumerate(['{oops', '{"solution": true}', '["rope"]']):
+        folder = shutil.copytree(solutions["rope"], tmp_path / str(i))
+        (folder / "grading" / "assignment.json").write_text(text)
+        with pytest.raises(SystemExit) as e:
+            entry(["course", "grade", str(folder)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "is not the file `kvt course make` writes" in err, err
+
+
+def test_grading_without_pytest_says_what_to_install(solutions, monkeypatch, capsys):
+    """Guards: without pytest installed a correct solution scoring 0 with "No module named pytest"."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        entry(["course", "grade", str(solutions["rope"])])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip() == "kvt: the grader runs pytest, which is not installed; pip install pytest"
+
+
+def test_an_endless_loop_is_stopped_and_scored(solutions, tmp_path, capsys):
+    """Guards: a student's endless loop hanging the grader for ever (no timeout)."""
+    folder = plant(solutions, tmp_path, "rope", "kvt/rope.py",
+                   "rotate(y.to(work), cos, -sin)", "next(x for x in iter(int, 1) if x)")
+    earned, total = course.grade(folder, timeout=20)
+    printed = capsys.readouterr().out
+    assert earned == 0 and "not run: TimeoutError: the grader ran past 20 s" in printed, printed
+
+
+def test_ctrl_c_during_grade_does_not_promise_a_resume(monkeypatch, solutions, capsys):
+    """Guards: Ctrl-C during kvt course grade saying that a rerun resumes (a grade starts over)."""
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(course, "grade", interrupted)
+    with pytest.raises(SystemExit) as e:
+        entry(["course", "grade", str(solutions["rope"])])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "resume" not in err and "start over" in err, err
