@@ -41,14 +41,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvt.config import KvtError, at_least, config_from_dict, load_config
 from kvt.data import SKIP
 from kvt.model import build_model, load_model
 from kvt.tokenizer import load_tokenizer
-from kvt.weights import fingerprint, save_model
+from kvt.weights import fingerprint, save_model, write_safetensors
 
 SHARED = Path(os.environ.get("KVT_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 CALIB = SHARED / "data" / "calib"
@@ -219,9 +218,7 @@ def save_state(path, student, opt, step, keep, meta):
         if p in opt.state:  # empty before the first step
             tensors["exp_avg." + name] = opt.state[p]["exp_avg"]
             tensors["exp_avg_sq." + name] = opt.state[p]["exp_avg_sq"]
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, tmp, metadata={"step": str(step), "meta": json.dumps(meta)})
-    os.replace(tmp, path)
+    write_safetensors(tensors, path, metadata={"step": str(step), "meta": json.dumps(meta)})
 
 
 @torch.no_grad()

@@ -542,9 +542,11 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         report += ["", "## Prefill vs transfer (seconds, median)", "", f"{hardware(args.device)}; {dtype}", "",
                    format_rows(rows)]
     shown = {t: tasks.get(t).primary for t in summary if tasks.get(t).primary not in CORPUS}
-    if shown and retention_png({t: summary[t] for t in shown}, shown, out / "retention.png", f"{src_name} -> {tgt_name}"):
+    if shown:
+        drawn = retention_png({t: summary[t] for t in shown}, shown, out / "retention.png", f"{src_name} -> {tgt_name}")
         at = report.index("## Accuracy (%, 95% interval) and retention") + 2
-        report[at:at] = ["![retention](retention.png)", ""]              # above the table it draws
+        report[at:at] = (["![retention](retention.png)", ""] if drawn else  # above the table it draws
+                         ["(no retention figure: matplotlib is not installed; pip install kvt[plots] draws it)", ""])
     report += ["", f"wall time {time.time() - t0:.0f} s"]
     write_atomic(out / "report.md", "\n".join(report) + "\n")
     settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)

@@ -737,3 +737,22 @@ def test_plan_and_bench_options_have_help(monkeypatch):
             m.setattr(sys, "stdout", open("/dev/null", "w"))
             module.main(["--help"])
     assert len(given) > 20 and not [name for name, text in given if not text], given
+
+
+def test_every_file_of_a_run_is_readable_by_all(world):
+    """Guards: mapper and statistics files written 0600 (safetensors' own mode) where the rest are 0644."""
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in world["done"].iterdir() if f.is_file()}
+    assert any(n.startswith("mapper-") for n in modes) and any(n.startswith("stats-") for n in modes), modes
+    assert set(modes.values()) == {"0o644"}, modes
+
+
+def test_the_report_says_why_it_has_no_figure(world, monkeypatch):
+    """Guards: report.md naming no retention figure, without a word, when matplotlib is not installed."""
+    from kvt import figures
+    monkeypatch.setattr(figures, "pyplot", lambda say=False: None)
+    folder = run_folder_copy(world, "no_matplotlib")
+    (folder / "retention.png").unlink(missing_ok=True)
+    run.main(argv(world, out=folder))
+    report = (folder / "report.md").read_text()
+    assert "no retention figure: matplotlib is not installed; pip install kvt[plots]" in report
+    assert "![retention]" not in report and not (folder / "retention.png").exists()
