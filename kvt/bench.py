@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from kvt.cache import keep_freed_memory
 from kvt.dist import check_devices
-from kvt.config import KvtError, at_least, parse_pair, shape
+from kvt.config import KvtError, at_least, command, parse_pair, shape
 from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper
 from kvt.model import Transformer, build_model, layer_devices
@@ -381,4 +381,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)  # as `kvt bench`: an error is one line

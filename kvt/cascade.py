@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvt import tasks
 from kvt.bench import prefill_flops, transfer_flops
-from kvt.config import KvtError, at_least, parse_pair, shape
+from kvt.config import KvtError, at_least, command, parse_pair, shape
 from kvt.figures import pyplot
 from kvt.plan import mapper_bytes
 
@@ -234,4 +234,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)  # as `kvt cascade`: an error is one line

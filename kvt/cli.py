@@ -16,7 +16,7 @@ family build keep checkpoints; the others start over).
 import importlib
 import sys
 
-from kvt.config import KvtError
+from kvt.config import command
 
 COMMANDS = {"run": "pipeline", "bench": "bench", "plan": "plan", "toy": "toy", "family": "family", "figures": "figures",
             "cascade": "cascade", "course": "course"}
@@ -34,16 +34,7 @@ def entry(argv):
         print(f"kvt: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} (kvt --help)", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     module = importlib.import_module(f"kvt.{COMMANDS[argv[0]]}")
-    try:
-        module.main(argv[1:])
-    except KvtError as e:
-        print(f"kvt: {e}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
-    except KeyboardInterrupt:
-        print("kvt: interrupted; " + ("run the same command again to resume where it stopped" if argv[0] in RESUMES
-                                      else "nothing was kept: run the same command again to start over"),
-              file=sys.stderr)
-        sys.exit(130)
+    command(module.main, argv[1:], resumes=argv[0] in RESUMES)  # KvtError: one line, exit 2; Ctrl-C: 130
 
 
 def main():

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvt.config import KvtError, at_least, config_from_dict, load_config
+from kvt.config import KvtError, at_least, command, config_from_dict, load_config
 from kvt.data import SKIP
 from kvt.model import build_model, load_model
 from kvt.tokenizer import load_tokenizer
@@ -469,4 +469,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main, resumes=True)  # as `kvt family`: an error is one line

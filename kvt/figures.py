@@ -386,4 +386,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from kvt.config import command
+    command(main)  # as `kvt figures`: an error is one line

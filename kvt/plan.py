@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvt.config import KvtError, at_least, check_matched_kv, matched_kv, parse_pair, shape
+from kvt.config import KvtError, at_least, check_matched_kv, command, matched_kv, parse_pair, shape
 from kvt.stats import candidate_layers, groups, memory_plan
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
@@ -372,4 +372,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)  # as `kvt plan`: an error is one line

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvt import scoring
-from kvt.config import Config, KvtError, at_least
+from kvt.config import Config, KvtError, at_least, command
 from kvt.model import build_model, load_model
 from kvt.tokenizer import load_tokenizer
 from kvt.weights import save_model
@@ -417,4 +417,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)  # as `kvt toy`: an error is one line

@@ -756,3 +756,11 @@ def test_the_report_says_why_it_has_no_figure(world, monkeypatch):
     report = (folder / "report.md").read_text()
     assert "no retention figure: matplotlib is not installed; pip install kvt[plots]" in report
     assert "![retention]" not in report and not (folder / "retention.png").exists()
+
+
+def test_python_dash_m_ends_errors_as_kvt_does():
+    """Guards: `python -m kvt.cascade` (as README and the tutorial run it) ending a KvtError in a traceback,
+    or exiting 1 where `kvt cascade` exits 2."""
+    p = subprocess.run([sys.executable, "-m", "kvt.cascade", "nope.jsonl"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.strip() == ("kvt: nope.jsonl: no such records file; give the records-*.jsonl "
+                                                      "of a finished kvt run"), p.stderr
