@@ -279,7 +279,7 @@ def item_key(task, item):
                           .encode()).hexdigest()[:16]
 
 
-def check_old_records(path, header):
+def check_old_records(path):
     """Refuse the records of an older kvt beside this run's, keyed by item id alone: they may hold scores of
     items that have changed since, and this run would not know which."""
     for f in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.jsonl"):
@@ -299,7 +299,7 @@ def run_tasks(args, items, tok, conds, path, header):
     stopped run resumes. Records are keyed by task, condition, item id and item_key (what was scored).
     Under torchrun each rank takes a share of the items still to do and writes its own file. Returns the
     records of exactly these items."""
-    check_old_records(path, header)
+    check_old_records(path)
     keys = {(task, it.id): item_key(task, it) for task, its in items.items() for it in its}
     done = {(r["task"], r["condition"], r["id"], r.get("key")) for f in record_files(path) for r in read_records(f, header)}
     mine = path if dist.world() == 1 else path.with_name(f"{path.stem}.rank{dist.rank()}.jsonl")
