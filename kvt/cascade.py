@@ -168,7 +168,8 @@ def bench_seconds(path, direction, tokens, frac=None):
     transfer, and (frac given) the transfer with that fraction recomputed, as kvt bench --recompute timed it."""
     redo = f"run kvt bench --lengths {tokens} --json {path} again"
     try:
-        rows = [r for r in json.loads(Path(path).read_text())["rows"] if (r["direction"], r["tokens"]) == (direction, tokens)]
+        rows = [r for r in json.loads(Path(path).read_text())["rows"]
+                if (r["direction"], r["tokens"]) == (direction, tokens)]
     except FileNotFoundError:
         raise KvtError(f"--bench {path}: no such file; {redo}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:  # not JSON, or not a kvt bench --json file
@@ -187,8 +188,8 @@ def bench_seconds(path, direction, tokens, frac=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="kvt cascade", description="A small -> large cascade from a finished run's records: accuracy "
-                                 "and compute per query as the escalation rate sweeps from 0 to 100%.")
+    ap = argparse.ArgumentParser(prog="kvt cascade", description="A small -> large cascade from a finished run's "
+                                 "records: accuracy and compute per query as the escalation rate sweeps from 0 to 100%.")
     ap.add_argument("records", type=Path, help="records-*.jsonl of a run.py (source, target, transfer)")
     ap.add_argument("--recompute", type=Path, help="records of the same run with a --recompute-* budget")
     ap.add_argument("--frac", type=float, default=0.1, help="that run's recompute fraction, for its cost")

@@ -304,8 +304,8 @@ def recompute_figure(paths, png=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="kvt figures", description="Draw the source x target layer R^2 map of a pair and the layers "
-                                 "calibration selects (terminal shades; --png with matplotlib).")
+    ap = argparse.ArgumentParser(prog="kvt figures", description="Draw the source x target layer R^2 map of a pair "
+                                 "and the layers calibration selects (terminal shades; --png with matplotlib).")
     ap.add_argument("figure", choices=["r2", "gate", "scaling", "recompute"], help="r2: a pair's layer map; gate: "
                     "diagnostics vs retention over finished runs (their results.json files); scaling: prefill and "
                     "transfer time against context length (files of kvt bench --json); recompute: retention "

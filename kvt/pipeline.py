@@ -273,10 +273,9 @@ def item_key(task, item):
     only under the same key, so an item whose data changed under the same id is scored again."""
     t = tasks.get(task)
     fields = {k: v for k, v in dataclasses.asdict(item).items() if k != "stratum"}
-    score = t.score and f"{getattr(t.score, '__module__', '')}.{getattr(t.score, '__qualname__', type(t.score).__name__)}"
-    return hashlib.sha256(json.dumps({"item": fields, "kind": t.kind, "metrics": t.metrics, "score": score,
-                                      "max_new_tokens": t.max_new_tokens}, sort_keys=True, default=repr)
-                          .encode()).hexdigest()[:16]
+    score = t.score and f"{t.score.__module__}.{getattr(t.score, '__qualname__', type(t.score).__name__)}"
+    what = {"item": fields, "kind": t.kind, "metrics": t.metrics, "score": score, "max_new_tokens": t.max_new_tokens}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
 def check_old_records(path):
@@ -301,7 +300,8 @@ def run_tasks(args, items, tok, conds, path, header):
     records of exactly these items."""
     check_old_records(path)
     keys = {(task, it.id): item_key(task, it) for task, its in items.items() for it in its}
-    done = {(r["task"], r["condition"], r["id"], r.get("key")) for f in record_files(path) for r in read_records(f, header)}
+    done = {(r["task"], r["condition"], r["id"], r.get("key"))
+            for f in record_files(path) for r in read_records(f, header)}
     mine = path if dist.world() == 1 else path.with_name(f"{path.stem}.rank{dist.rank()}.jsonl")
     with open_records(mine, header) as f:
         for task, its in items.items():
@@ -313,7 +313,8 @@ def run_tasks(args, items, tok, conds, path, header):
                 f.write(json.dumps({**rec, "key": keys[task, rec["id"]]}) + "\n")
                 f.flush()
     dist.barrier()
-    return [r for f in record_files(path) for r in read_records(f, header) if keys.get((r["task"], r["id"])) == r.get("key")]
+    return [r for f in record_files(path) for r in read_records(f, header)
+            if keys.get((r["task"], r["id"])) == r.get("key")]
 
 
 # ---- report ----------------------------------------------------------------------------------------------

@@ -417,7 +417,8 @@ def test_a_rerun_on_changed_data_scores_the_changed_items_again(world):
 TWO_CHOICES = '''
 from kvt.tasks import Item, Task
 GOLD = {gold}
-task = Task("mine", load=lambda: [Item(str(i), f"Question {{i}}: which one?", GOLD, ["yes", "no"], "Answer:") for i in range(5)])
+task = Task("mine", load=lambda: [Item(str(i), f"Question {{i}}: which?", GOLD, ["yes", "no"], "Answer:")
+                                  for i in range(5)])
 '''
 
 
@@ -479,7 +480,8 @@ TASK_FILES = [
     ("missing import", "import no_such_module_kvt\n", ["line 3", "ModuleNotFoundError", "install what it imports"]),
     ("raises at import", "x = 1 / 0\n", ["line 3", "ZeroDivisionError", "fix the file"]),
     ("sys.exit", "sys.exit(0)\n", ["called sys.exit(0)", "defines tasks and returns"]),
-    ("choices not text", "T = Task('bad', lambda: [Item('1', 'Q', 0, [1, 2], 'A')])\n", ["choice 0 is 1", "non-empty string"]),
+    ("choices not text", "T = Task('bad', lambda: [Item('1', 'Q', 0, [1, 2], 'A')])\n",
+     ["choice 0 is 1", "non-empty string"]),
     ("context None", "T = Task('bad', lambda: [Item('1', None, 0, ['a', 'b'], 'A')])\n", ["its context is None", "text"]),
     ("loader raises", "def load():\n    raise RuntimeError('boom')\nT = Task('bad', load)\n",
      ["its loader raised RuntimeError: boom", "fix the loader"]),
