@@ -37,7 +37,8 @@ import torch
 from tqdm import tqdm
 
 from kvt.cache import keep_freed_memory
-from kvt.config import parse_pair, shape
+from kvt.dist import check_devices
+from kvt.config import KvtError, at_least, command, parse_pair, shape
 from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper
 from kvt.model import Transformer, build_model, layer_devices
@@ -350,24 +351,39 @@ def format_rows(rows):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Time target prefill vs KV transfer on random weights of named shapes.")
-    ap.add_argument("--pair", default="qwen3-0.6b:1.7b")
-    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap = argparse.ArgumentParser(prog="kvt bench", description="Time target prefill vs KV transfer on random "
+                                 "weights of named shapes.")
+    ap.add_argument("--pair", default="qwen3-0.6b:1.7b", help="FAMILY-SRC:TGT of known shapes (default qwen3-0.6b:1.7b)")
+    ap.add_argument("--lengths", default="512,1024,2048,4096", help="comma-separated context lengths to time")
     ap.add_argument("--scope", default="layer", choices=["layer", "head"], help="layer: the paper's (default)")
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, after a warm-up (the median)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="default: bfloat16 on a GPU or a CPU with bf16 units (bench.bf16_units), else float32")
     ap.add_argument("--lean", action="store_true", help="hold one model at a time (a pair too large for memory)")
     ap.add_argument("--recompute", default="", help="also time transfer + recomputing these fractions, e.g. 0.05,0.25")
     ap.add_argument("--json", type=Path, help="also write the rows, settings and processor here (kvt figures scaling)")
     args = ap.parse_args(argv)
+    at_least("k", args.k, why=" (source layers per target layer; the paper uses 8)")
+    at_least("repeats", args.repeats)
+    def numbers(text, kind):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            return None
+    lengths, fracs = numbers(args.lengths, int), numbers(args.recompute, float)
+    if not lengths or min(lengths) < 2:
+        raise KvtError(f"--lengths {args.lengths!r}: give comma-separated context lengths of at least 2 tokens, "
+                       "e.g. 512,1024,2048")
+    if fracs is None or not all(0 < f <= 1 for f in fracs):
+        raise KvtError(f"--recompute {args.recompute!r}: give comma-separated fractions of the prompt in (0, 1], "
+                       "e.g. 0.05,0.25")
+    check_devices([args.device])
     keep_freed_memory()                # both sides alike: a cache of the last one's size costs no page faults
-    fracs = [float(f) for f in args.recompute.split(",") if f.strip()]
     names = parse_pair(args.pair)
     args.dtype = args.dtype or default_dtype(args.device)
-    dtype, lengths = getattr(torch, args.dtype), [int(n) for n in args.lengths.split(",")]
+    dtype = getattr(torch, args.dtype)
     build = lambda name: build_model(name, dtype=dtype, device=args.device, seed=names.index(name))  # noqa: E731
     fwd = random_mapper(shape(names[0]), shape(names[1]), args.scope, args.k, dtype, args.device)
     back = random_mapper(shape(names[1]), shape(names[0]), args.scope, args.k, dtype, args.device, seed=1)
@@ -386,4 +402,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)  # as `kvt bench`: an error is one line

@@ -26,12 +26,11 @@ the same prompt. --bench adds seconds to the first token of an escalated answer,
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 from kvt import tasks
 from kvt.bench import prefill_flops, transfer_flops
-from kvt.config import KvtError, parse_pair, shape
+from kvt.config import KvtError, at_least, command, parse_pair, shape
 from kvt.figures import pyplot
 from kvt.plan import mapper_bytes
 
@@ -44,16 +43,52 @@ def index(records):
 
 
 def read(path):
-    """index() of a records jsonl written by run.py (the header line and a torn last line skipped)."""
+    """index() of a records jsonl written by run.py (its header line, and a torn last line, skipped), after
+    checking that it is one: a corrupt line, or an item that lacks a condition, is refused, and so is a file
+    holding fewer items than the results.json beside it lists for the same run."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvtError(f"{path}: no such records file; give the records-*.jsonl of a finished kvt run")
+    lines = path.read_text(errors="replace").split("\n")
     rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
             continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif not rows:
+            raise KvtError(f"{path} is not a records file (line {i} is not a record); give the records-*.jsonl of a "
+                           "finished kvt run, not its results.json")
+        elif i < len(lines):  # only the last line, torn by a crash (no newline after it), is skipped
+            raise KvtError(f"{path}, line {i}: not a record (corrupt); rerun the run into a new --out to write "
+                           "its records again")
     out = index(rows)
     if not out:
-        raise KvtError(f"{path} holds no records; give the records-*.jsonl of a finished run.py")
+        raise KvtError(f"{path} holds no records; give the records-*.jsonl of a finished kvt run")
+    conds = {c for _, c, _ in out}
+    partial = sorted({(t, i) for t, _, i in out if any((t, c, i) not in out for c in conds if c != "floor")})
+    if partial:
+        raise KvtError(f"{path}: {len(partial)} items lack a condition (first: {partial[0][0]} {partial[0][1]}); the "
+                       "run did not finish: run it again with the same settings and --out to complete them")
+    results = path.parent / "results.json"
+    if results.is_file():
+        try:
+            res = json.loads(results.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            res = {}
+        same = (isinstance(res, dict) and res.get("mapper") == rows[0].get("mapper") and isinstance(res.get("items"), dict)
+                and "recompute" not in rows[0] and not any((res.get("settings") or {}).get(f"recompute_{w}")
+                                                           for w in ("last", "first", "frac")))
+        if same:  # the run that wrote results.json wrote these records too
+            want = sum(len(ids) for ids in res["items"].values())
+            have = len({(t, i) for t, c, i in out if t in res["items"] and i in res["items"][t]})
+            if have < want:
+                raise KvtError(f"{path} holds {have} of the {want} items {results} lists; the file was cut short: "
+                               "run the run again with the same settings and --out to complete it")
     return out
 
 
@@ -131,7 +166,14 @@ def bench_seconds(path, direction, tokens, frac=None):
     """Seconds to an escalated answer's first token, from a kvt bench --json file's row of `direction`
     ("small -> large") at `tokens`: the small model's prefill, then the large model's prefill, the
     transfer, and (frac given) the transfer with that fraction recomputed, as kvt bench --recompute timed it."""
-    rows = [r for r in json.loads(Path(path).read_text())["rows"] if (r["direction"], r["tokens"]) == (direction, tokens)]
+    redo = f"run kvt bench --lengths {tokens} --json {path} again"
+    try:
+        rows = [r for r in json.loads(Path(path).read_text())["rows"]
+                if (r["direction"], r["tokens"]) == (direction, tokens)]
+    except FileNotFoundError:
+        raise KvtError(f"--bench {path}: no such file; {redo}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # not JSON, or not a kvt bench --json file
+        raise KvtError(f"--bench {path} is not a kvt bench --json file ({type(e).__name__}); {redo}") from None
     if not rows:
         raise KvtError(f"{path} has no {direction} row at {tokens} tokens; run kvt bench --lengths {tokens} --json {path}")
     r = rows[0]
@@ -146,27 +188,31 @@ def bench_seconds(path, direction, tokens, frac=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="A small -> large cascade from a finished run's records: accuracy "
-                                 "and compute per query as the escalation rate sweeps from 0 to 100%.")
+    ap = argparse.ArgumentParser(prog="kvt cascade", description="A small -> large cascade from a finished run's "
+                                 "records: accuracy and compute per query as the escalation rate sweeps from 0 to 100%.")
     ap.add_argument("records", type=Path, help="records-*.jsonl of a run.py (source, target, transfer)")
     ap.add_argument("--recompute", type=Path, help="records of the same run with a --recompute-* budget")
     ap.add_argument("--frac", type=float, default=0.1, help="that run's recompute fraction, for its cost")
     ap.add_argument("--shapes", default="qwen3-0.6b:1.7b", help="FAMILY-SMALL:LARGE whose FLOPs price a query")
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length that prices a query")
-    ap.add_argument("--scope", default="layer", choices=["layer", "head"])
-    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--scope", default="layer", choices=["layer", "head"], help="the mapper's, for its cost")
+    ap.add_argument("--k", type=int, default=8, help="the mapper's source layers per target layer, for its cost")
     ap.add_argument("--bench", type=Path, help="a kvt bench --json file of the same shapes, for seconds")
     ap.add_argument("--png", type=Path, help="also draw accuracy against cost (needs matplotlib)")
     args = ap.parse_args(argv)
-    try:
-        rows = items(read(args.records), read(args.recompute) if args.recompute else None)
-        names = parse_pair(args.shapes)
-        small, large = (shape(n) for n in names)
-        base, escalate = costs(small, large, args.tokens, args.scope, args.k, args.frac)
-        seconds = (bench_seconds(args.bench, " -> ".join(names), args.tokens, args.frac if args.recompute else None)
-                   if args.bench else None)
-    except KvtError as e:
-        sys.exit(f"kvt: {e}")
+    at_least("tokens", args.tokens)
+    at_least("k", args.k)
+    if not 0 <= args.frac <= 1:
+        raise KvtError(f"--frac {args.frac}: a fraction of the prompt, within [0, 1]")
+    names = parse_pair(args.shapes)
+    small, large = (shape(n) for n in names)
+    if prefill_flops(small, args.tokens) >= prefill_flops(large, args.tokens):
+        raise KvtError(f"--shapes {args.shapes}: {names[0]} is not smaller than {names[1]}; name the small model "
+                       f"first, e.g. {names[1]}:{names[0].split('-')[-1]}")
+    rows = items(read(args.records), read(args.recompute) if args.recompute else None)
+    base, escalate = costs(small, large, args.tokens, args.scope, args.k, args.frac)
+    seconds = (bench_seconds(args.bench, " -> ".join(names), args.tokens, args.frac if args.recompute else None)
+               if args.bench else None)
     table = sweep(rows, base, escalate)
     print(f"cascade over {len(rows)} items ({args.records}); cost per query in large-model "
           f"prefills of {args.tokens} tokens, {args.shapes} shapes, {args.scope} scope k={args.k}"
@@ -189,4 +235,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)  # as `kvt cascade`: an error is one line

@@ -10,32 +10,31 @@
     kvt course list|make|grade|answers   assignments cut out of kvt for students, their autograder, the exercises' answers (kvt/course.py)
 
 A problem the user can fix ends as one line on stderr, `kvt: ...`, with exit status 2 (argparse's own
-errors exit 2 too); Ctrl-C ends with a line saying that a rerun resumes, and exit status 130.
+errors exit 2 too); Ctrl-C ends with exit status 130 and a line saying whether a rerun resumes (run and
+family build keep checkpoints; the others start over).
 """
 import importlib
 import sys
 
-from kvt.config import KvtError
+from kvt.config import command
 
 COMMANDS = {"run": "pipeline", "bench": "bench", "plan": "plan", "toy": "toy", "family": "family", "figures": "figures",
             "cascade": "cascade", "course": "course"}
+RESUMES = {"run", "family"}  # commands whose rerun picks up the checkpoints an interrupted one left
 EXIT_USER_ERROR = 2
+USAGE = "usage: kvt <command> [options]; `kvt <command> --help` lists a command's options"
 
 
 def entry(argv):
     """Run `kvt <command> ...` with argv = [command, *its arguments]; exits with the statuses above."""
-    if not argv or argv[0] not in COMMANDS:
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR if argv and argv[0] not in ("-h", "--help") else 0)
-    module = importlib.import_module(f"kvt.{COMMANDS[argv[0]]}")
-    try:
-        module.main(argv[1:])
-    except KvtError as e:
-        print(f"kvt: {e}", file=sys.stderr)
+    if not argv or argv[0] in ("-h", "--help"):  # asked for: stdout, exit 0; a bare `kvt`: stderr, exit 2
+        print(USAGE + "\n\n" + __doc__.split("\n\n")[1], file=sys.stdout if argv else sys.stderr)
+        sys.exit(0 if argv else EXIT_USER_ERROR)
+    if argv[0] not in COMMANDS:
+        print(f"kvt: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} (kvt --help)", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    except KeyboardInterrupt:
-        print("\nkvt: interrupted; run the same command again to resume where it stopped", file=sys.stderr)  # \n: after a progress bar
-        sys.exit(130)
+    module = importlib.import_module(f"kvt.{COMMANDS[argv[0]]}")
+    command(module.main, argv[1:], resumes=argv[0] in RESUMES)  # KvtError: one line, exit 2; Ctrl-C: 130
 
 
 def main():

@@ -20,6 +20,28 @@ class KvtError(Exception):
     """A problem the user can fix; run.py prints it as one line and exits with code 2."""
 
 
+def command(main, argv=None, resumes=False):
+    """Run a command's main(argv) as `kvt` runs it (kvt/cli.py; `python -m kvt.bench` and the like too): a
+    KvtError ends as one line `kvt: ...` on stderr with exit status 2; Ctrl-C with exit status 130 and a
+    line saying whether a rerun resumes (resumes: the command keeps checkpoints a rerun picks up)."""
+    try:
+        return main(argv)
+    except KvtError as e:
+        print(f"kvt: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\nkvt: interrupted; " + ("run the same command again to resume where it stopped" if resumes
+                                      else "nothing was kept: run the same command again to start over"),
+              file=sys.stderr)
+        sys.exit(130)
+
+
+def at_least(name, value, least=1, why=""):
+    """Refuse a command-line number below `least`: `--name value: must be at least least (why)`."""
+    if value is not None and value < least:
+        raise KvtError(f"--{name} {value}: must be at least {least}{why}")
+
+
 ARCHITECTURES = {  # config.json "architectures"[0] -> family
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",

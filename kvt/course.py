@@ -779,8 +779,9 @@ def make(name, out, grader=None, solution=False):
 
 # ---- grade ------------------------------------------------------------------------------------------------
 
-def grade(folder, grader):
-    """Run an assignment's grader on a student copy; print the score table; return (points earned, possible)."""
+def grade(folder, grader, timeout=600):
+    """Run an assignment's grader on a student copy; print the score table; return (points earned, possible).
+    timeout: seconds the grader may run (a student's endless loop then fails every function, saying why)."""
     folder, grader = Path(folder), Path(grader)
     if not folder.is_dir():
         raise KvtError(f"{folder}: no such folder (make one: python -m kvt.course make --assignment NAME --out DIR)")
@@ -790,7 +791,15 @@ def grade(folder, grader):
     if not info.exists() or not (grader / "expected.safetensors").exists():
         raise KvtError(f"{grader} is not a kvt grader folder (no assignment.json and expected.safetensors in it); "
                        "give the -grader folder `make` wrote")
-    name = json.loads(info.read_text())["assignment"]
+    try:
+        name = json.loads(info.read_text())["assignment"]
+    except (ValueError, KeyError, TypeError, IndexError):  # not JSON, or not the object `make` writes
+        name = None
+    if not isinstance(name, str):
+        raise KvtError(f"{info} is not the file `kvt course make` writes (no \"assignment\" name); make the "
+                       "assignment again")
+    if importlib.util.find_spec("pytest") is None:
+        raise KvtError("the grader runs pytest, which is not installed; pip install pytest")
     if name not in ASSIGNMENTS:
         raise KvtError(f"{grader} grades assignment {name!r}, which this kvt does not know ({', '.join(ASSIGNMENTS)})")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder.resolve()), os.environ.get("PYTHONPATH", "")]),
@@ -798,8 +807,12 @@ def grade(folder, grader):
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}   # tiny cases: more threads only wait for each other
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "results.xml"
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", f"test_{name}.py"],
-                             cwd=grader, env=env, capture_output=True, text=True)
+        try:
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", f"test_{name}.py"],
+                                 cwd=grader, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:  # pytest killed: its report, if any, is cut short
+            run = subprocess.CompletedProcess([], 1, "", f"E   TimeoutError: the grader ran past {timeout} s and was "
+                                                         "stopped (a loop that never ends?)")
         results = {}  # graded function -> None (passed) or the lines of what failed
         for tc in ElementTree.parse(xml).iter("testcase") if xml.exists() else []:  # test_function[<graded name>]
             bad = next((tc.find(tag) for tag in ("failure", "error", "skipped") if tc.find(tag) is not None), None)

@@ -19,6 +19,21 @@ import torch.distributed as td
 from kvt.config import KvtError
 
 
+def check_devices(devices):
+    """Every device named must exist here: a one-line error for a typo or a GPU this machine lacks."""
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except RuntimeError:
+            raise KvtError(f"unknown device {d!r}; use cpu, cuda or cuda:N")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise KvtError(f"--device {d}: CUDA is not available on this machine; use --device cpu")
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise KvtError(f"--device {d}: this machine has {torch.cuda.device_count()} CUDA devices")
+        if dev.type not in ("cpu", "cuda", "meta", "mps"):
+            raise KvtError(f"device {d!r} is not one kvt runs on; use cpu or cuda:N")
+
+
 def init(devices=("cpu",)):
     """Join the process group when launched by torchrun; return this rank's share of `devices`.
 

@@ -41,14 +41,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kvt.config import KvtError, config_from_dict, load_config
+from kvt.config import KvtError, at_least, command, config_from_dict, load_config
 from kvt.data import SKIP
 from kvt.model import build_model, load_model
 from kvt.tokenizer import load_tokenizer
-from kvt.weights import fingerprint, save_model
+from kvt.weights import fingerprint, save_model, write_safetensors
 
 SHARED = Path(os.environ.get("KVT_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 CALIB = SHARED / "data" / "calib"
@@ -219,9 +218,7 @@ def save_state(path, student, opt, step, keep, meta):
         if p in opt.state:  # empty before the first step
             tensors["exp_avg." + name] = opt.state[p]["exp_avg"]
             tensors["exp_avg_sq." + name] = opt.state[p]["exp_avg_sq"]
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, tmp, metadata={"step": str(step), "meta": json.dumps(meta)})
-    os.replace(tmp, path)
+    write_safetensors(tensors, path, metadata={"step": str(step), "meta": json.dumps(meta)})
 
 
 @torch.no_grad()
@@ -418,7 +415,7 @@ def table(out, r):
 
 
 def parser():
-    p = argparse.ArgumentParser(prog="python -m kvt.family", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvt family", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=["build"])
     p.add_argument("--parent", type=Path, required=True, help="the checkpoint folder to prune")
     p.add_argument("--kind", choices=["depth", "width"], required=True)
@@ -427,7 +424,7 @@ def parser():
     p.add_argument("--tokens", type=int, default=2 ** 19, help="healing budget in tokens (default 524,288)")
     p.add_argument("--batch", type=int, default=2, help="rows per step")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate of the healing")
     p.add_argument("--warmup", type=int, default=16, help="warmup steps")
     p.add_argument("--seed", type=int, default=0, help="the healing row order")
     p.add_argument("--threads", type=int, default=2, help="torch threads (the result is bit-exact for one count)")
@@ -444,6 +441,14 @@ def parser():
 
 def parse(argv=None):
     args = parser().parse_args(argv)
+    for name, least in (("tokens", 1), ("batch", 1), ("seq-len", 2), ("warmup", 0), ("threads", 1), ("save-every", 1),
+                        ("score-seqs", 1), ("score-len", 2), ("windows", 1), ("window-len", 2), ("keep", 1)):
+        at_least(name, getattr(args, name.replace("-", "_")), least)
+    if args.tokens < args.batch * args.seq_len:
+        raise KvtError(f"--tokens {args.tokens}: fewer than one step of --batch {args.batch} x --seq-len {args.seq_len} "
+                       "tokens; give more --tokens or shorter rows")
+    if not (args.lr > 0 and args.lr < float("inf")):
+        raise KvtError(f"--lr {args.lr}: the learning rate must be a positive number")
     if args.keep is None:
         cfg = load_config(args.parent)
         args.keep = (cfg.n_layers if args.kind == "depth" else cfg.ffn_dim) // 2
@@ -451,11 +456,17 @@ def parse(argv=None):
 
 
 def main(argv=None):
+    """kvt family build; a build that fails leaves no empty --out behind (one with a checkpoint stays: the
+    rerun resumes from it)."""
+    args = parse(argv)
+    created = not args.out.exists()
     try:
-        return build(parse(argv))
-    except KvtError as e:
-        raise SystemExit(f"kvt: {e}")
+        return build(args)
+    except BaseException:
+        if created and args.out.is_dir() and not any(args.out.iterdir()):
+            args.out.rmdir()
+        raise
 
 
 if __name__ == "__main__":
-    main()
+    command(main, resumes=True)  # as `kvt family`: an error is one line

@@ -10,12 +10,31 @@ is installed (it is never required).
     python -m kvt.figures r2 --pair qwen3-0.6b:1.7b --calib ../shared/data/calib/wikitext-2 --png r2.png
 """
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
 SHADES = " ░▒▓█"  # R^2 < 0.2, < 0.4, < 0.6, < 0.8, >= 0.8 (below 0: blank)
+RESULTS = ("a results.json of a finished kvt run", ("pair", "settings", "diagnostics", "tasks", "average_retention"))
+BENCH = ("a kvt bench --json file", ("pair", "scope", "dtype", "hardware", "rows"))
+
+
+def read_json(path, what):
+    """The JSON object in `path`, refused in one line unless it holds what = (its description, its keys)."""
+    import json
+
+    from kvt.config import KvtError
+    name, keys = what
+    try:
+        obj = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise KvtError(f"{path}: no such file; give {name}") from None
+    except (OSError, ValueError) as e:  # a folder, not UTF-8, not JSON (a records .jsonl)
+        raise KvtError(f"{path} is not {name} ({type(e).__name__}); give {name}") from None
+    lacks = [k for k in keys if k not in obj] if isinstance(obj, dict) else ["a JSON object"]
+    if lacks:
+        raise KvtError(f"{path} is not {name} (it lacks {', '.join(lacks)}); give {name}")
+    return obj
 
 
 def pyplot(say=False):
@@ -128,9 +147,8 @@ def scaling_figure(paths, png=None):
     """Times of the target's prefill and of the transfer against context length, from `kvt bench --json`
     files, on log-log axes, beside the FLOP model: each side's FLOPs at one rate (FLOP/s), the median of
     its measured points. Prints the table; draws the PNG when matplotlib is installed."""
-    import json
     import statistics
-    runs = [json.loads(Path(p).read_text()) for p in paths]
+    runs = [read_json(p, BENCH) for p in paths]
     series = {}  # (direction, side) -> [(tokens, seconds, flops)]
     for run in runs:
         for r in run["rows"]:
@@ -219,8 +237,7 @@ def gate_evidence(results, good_at=0.9):
 
 def gate_figure(paths, png=None):
     """Print gate_evidence over run.py results (and draw retention against each diagnostic as a PNG)."""
-    import json
-    results = [{**json.loads(Path(p).read_text()), "run": f"{Path(p).parent.name}: "} for p in paths]
+    results = [{**read_json(p, RESULTS), "run": f"{Path(p).parent.name}: "} for p in paths]
     rows, corr, (c, k, agree), loo = gate_evidence(results)
     print(f"{'run: pair':<58} {'mean R^2':>8} {'attn cos':>8} {'KL nats':>8} {'retention':>9}")
     for r in sorted(rows, key=lambda r: -r["retention"]):
@@ -262,8 +279,7 @@ def recompute_rows(results):
 
 def recompute_figure(paths, png=None):
     """Print retention against the recompute budget over run.py results (and draw it as a PNG)."""
-    import json
-    rows = recompute_rows([json.loads(Path(p).read_text()) for p in paths])
+    rows = recompute_rows([read_json(p, RESULTS) for p in paths])
     tasks = list(rows[0][3])
     print(f"{'tokens chosen by':<17} {'budget':>6} {'average':>8} " + " ".join(f"{t:>14}" for t in tasks))
     for by, frac, avg, per in rows:
@@ -288,26 +304,31 @@ def recompute_figure(paths, png=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Draw the source x target layer R^2 map of a pair and the layers "
-                                 "calibration selects (terminal shades; --png with matplotlib).")
+    ap = argparse.ArgumentParser(prog="kvt figures", description="Draw the source x target layer R^2 map of a pair "
+                                 "and the layers calibration selects (terminal shades; --png with matplotlib).")
     ap.add_argument("figure", choices=["r2", "gate", "scaling", "recompute"], help="r2: a pair's layer map; gate: "
                     "diagnostics vs retention over finished runs (their results.json files); scaling: prefill and "
                     "transfer time against context length (files of kvt bench --json); recompute: retention "
                     "against the recompute budget (results.json of one pair's runs at several budgets)")
     ap.add_argument("results", nargs="*", type=Path, help="gate, recompute: results.json files; scaling: bench JSON files")
     ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name>")
-    ap.add_argument("--weights", type=Path, default=Path(__file__).resolve().parent.parent / "weights")
+    ap.add_argument("--weights", type=Path, help="folder of checkpoint folders (default: ./weights, then the toy "
+                    "family kvt ships)")
     ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: the toy corpus for toy "
                     "pairs; required otherwise, e.g. ../shared/data/calib/wikitext-2)")
-    ap.add_argument("--calib-seqs", type=int, default=40)
-    ap.add_argument("--calib-len", type=int, default=256)
-    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--calib-seqs", type=int, default=40, help="calibration sequences")
+    ap.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")
+    ap.add_argument("--k", type=int, default=8, help="source layers per target layer the selection marks")
     ap.add_argument("--lam", type=float, help="ridge lambda (default: the best per target layer on validation data)")
     ap.add_argument("--kind", choices=["k", "v"], nargs="+", default=["k", "v"])
     ap.add_argument("--values", action="store_true", help="print R^2 numbers instead of shades")
     ap.add_argument("--png", help="also write the map(s) to this PNG (one file per kind: NAME-k.png, NAME-v.png)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    from kvt.config import KvtError, at_least
+    if args.figure != "r2" and not args.results:
+        raise KvtError(f"figures {args.figure} reads files: give "
+                       f"{'kvt bench --json files' if args.figure == 'scaling' else 'results.json files of finished runs'}")
     if args.figure == "gate":
         return gate_figure(args.results, args.png)
     if args.figure == "scaling":
@@ -317,31 +338,31 @@ def main(argv=None):
 
     import kvt
     from kvt import toy
-    from kvt.config import KvtError, matched_kv, parse_pair
+    from kvt.config import find_weights, matched_kv, parse_pair
     from kvt.data import calibration_sequences, check_same_tokenizer
     from kvt.mapper import calibrate
 
-    try:
-        src_name, tgt_name = parse_pair(args.pair)
-        src_dir, tgt_dir = args.weights / src_name, args.weights / tgt_name
-        src_cfg = kvt.load_config(src_dir)  # a missing folder fails here with the download command
-        kvt.load_config(tgt_dir)
-        tok = kvt.load_tokenizer(tgt_dir)
-        check_same_tokenizer(kvt.load_tokenizer(src_dir), tok)
-        if args.calib:
-            calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len)
-        elif src_name.startswith("toy-"):  # toy documents the family was not trained on (seed 0), as run.py
-            calib = calibration_sequences(None, tok, args.calib_seqs, args.calib_len, documents=toy.corpus(2000, seed=99))
-        else:
-            raise KvtError(f"{src_name} is not a toy model: pass calibration text with --calib, "
-                           "e.g. ../shared/data/calib/wikitext-2")
-        source = kvt.load_model(src_dir, device=args.device)
-        target = kvt.load_model(tgt_dir, device=args.device)
-        matched = matched_kv(src_cfg, target.config)
-        mapper, report = calibrate(source, target, calib, "head" if matched else "layer", k=args.k, lam=args.lam,
-                                   progress=False)
-    except KvtError as e:
-        sys.exit(f"kvt: {e}")
+    at_least("k", args.k)
+    at_least("calib-seqs", args.calib_seqs)
+    at_least("calib-len", args.calib_len, 2)
+    src_name, tgt_name = parse_pair(args.pair)
+    src_dir, tgt_dir = find_weights(src_name, args.weights), find_weights(tgt_name, args.weights)
+    src_cfg = kvt.load_config(src_dir)  # a missing folder fails here with the download command
+    kvt.load_config(tgt_dir)
+    tok = kvt.load_tokenizer(tgt_dir)
+    check_same_tokenizer(kvt.load_tokenizer(src_dir), tok)
+    if args.calib:
+        calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len)
+    elif src_name.startswith("toy-"):  # toy documents the family was not trained on (seed 0), as run.py
+        calib = calibration_sequences(None, tok, args.calib_seqs, args.calib_len, documents=toy.corpus(2000, seed=99))
+    else:
+        raise KvtError(f"{src_name} is not a toy model: pass calibration text with --calib, "
+                       "e.g. ../shared/data/calib/wikitext-2")
+    source = kvt.load_model(src_dir, device=args.device)
+    target = kvt.load_model(tgt_dir, device=args.device)
+    matched = matched_kv(src_cfg, target.config)
+    mapper, report = calibrate(source, target, calib, "head" if matched else "layer", k=args.k, lam=args.lam,
+                               progress=False)
     src_layers = list(range(src_cfg.n_layers))
     print(f"{src_name} -> {tgt_name}: validation R^2 of each target layer fitted from one source layer "
           f"({args.calib_seqs} x {args.calib_len} calibration tokens, lambda "
@@ -365,4 +386,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from kvt.config import command
+    command(main)  # as `kvt figures`: an error is one line

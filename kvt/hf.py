@@ -25,6 +25,8 @@ import torch
 
 from kvt.cache import Cache
 from kvt.config import KvtError, config_from_dict
+from kvt.mapper import Mapper
+from kvt.model import check_ids
 
 try:
     from transformers import DynamicCache
@@ -81,7 +83,10 @@ def transfer(source, target, mapper, input_ids, attention_mask=None):
     {"cache": DynamicCache of T - 1 slots, "attention_mask": (B, T) long, "position_ids": (B, T) long}, so
     target.generate(input_ids, **state, ...) runs input_ids[:, -1] on the mapped cache and gives the
     tokens kvt's handoff + kvt.generate give. The cache is used once: generate appends to it."""
+    if not isinstance(mapper, Mapper):
+        raise KvtError(f"mapper must be a kvt Mapper (kvt.mapper.calibrate or load_mapper), not {type(mapper).__name__}")
     check_pair(source, target, mapper)
+    check_ids(input_ids, min(mapper.src_cfg.vocab_size, mapper.tgt_cfg.vocab_size))  # (B, T) ids both models know
     B, T = input_ids.shape
     mask = torch.ones(B, T, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
     if mask.shape != (B, T):

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 import kvt
@@ -36,6 +36,7 @@ from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv, matched_kv
 from kvt.stats import (KINDS, SAVE_S, accumulate, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
                        new_stats, sums_bytes)
+from kvt.weights import write_safetensors
 
 
 @dataclass
@@ -324,8 +325,7 @@ def save_fits(path, fits, skipped, key):
     tensors = {f"{kind}.{name}.{t}": x.contiguous() for kind, by in fits.items() for t, f in by.items()
                for name, x in (("W", f[0]), ("b", f[1]))}
     info = {kind: {t: [f[2], f[3], skipped[kind].get(t)] for t, f in by.items()} for kind, by in fits.items()}
-    save_file(tensors, f"{path}.tmp", metadata={"format": FITS, "key": key, "fits": json.dumps(info)})
-    os.replace(f"{path}.tmp", path)
+    write_safetensors(tensors, path, metadata={"format": FITS, "key": key, "fits": json.dumps(info)})
 
 
 def load_fits(path, key):
@@ -409,9 +409,8 @@ def add_mlp(mapper, source, target, calib, mode="replace", hidden=None, max_byte
                 p, loss = mlp_.train(*_mlp_data(mapper, kind, l, *data["fit"][kind], mode),
                                      *_mlp_data(mapper, kind, l, *data["val"][kind], mode), hidden=hidden, **train_kw)
                 if path and dist.rank() == 0:                             # every rank trains the same MLP
-                    save_file({name: w.contiguous() for name, w in p.items()}, f"{path}.tmp",
-                              metadata={"format": MLP_CHECKPOINT, "key": key})
-                    os.replace(f"{path}.tmp", path)
+                    write_safetensors({name: w.contiguous() for name, w in p.items()}, path,
+                                      metadata={"format": MLP_CHECKPOINT, "key": key})
                 if progress:
                     print(f"mlp ({mode}) {kind} layer {l}: validation loss {loss:.4f} (fraction of variance left)")
             params.append(p)
@@ -462,8 +461,7 @@ def save_mapper(mapper, path, dtype=torch.float32):
             "src_config": json.dumps(asdict(mapper.src_cfg)), "tgt_config": json.dumps(asdict(mapper.tgt_cfg)),
             "src_fingerprint": mapper.src_cfg.fingerprint(), "tgt_fingerprint": mapper.tgt_cfg.fingerprint(),
             "tokenizer": str(mapper.meta.get("tokenizer", "")), "meta": json.dumps(mapper.meta)}
-    save_file(tensors, f"{path}.tmp", metadata=meta)
-    os.replace(f"{path}.tmp", path)
+    write_safetensors(tensors, path, metadata=meta)
 
 
 def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.float32, device="cpu", key=None):

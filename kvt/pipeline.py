@@ -47,7 +47,7 @@ import kvt
 from kvt import dist, evals, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.cache import keep_freed_memory
-from kvt.config import KvtError, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair
+from kvt.config import KvtError, at_least, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
@@ -67,7 +67,8 @@ MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="kvt run", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name> (default: the toy family)")
     ap.add_argument("--source", type=Path, help="source checkpoint folder (instead of --pair)")
     ap.add_argument("--target", type=Path, help="target checkpoint folder (instead of --pair)")
@@ -130,9 +131,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
-    def positive(name, value, least=1, why=""):
-        if value is not None and value < least:
-            raise KvtError(f"--{name} {value}: must be at least {least}{why}")
+    positive = at_least
     positive("k", args.k, why=" (source layers per target layer; the paper uses 8)")
     positive("calib-seqs", args.calib_seqs, why=" (calibration sequences; the paper uses 500)")
     positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
@@ -166,21 +165,6 @@ def check_args(args):
     positive("batch-size", args.batch_size, why=" (items per evaluation batch)")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise KvtError(f"--out {args.out} is a file; give a folder (it is created if missing)")
-
-
-def check_devices(devices):
-    """Every device named must exist here: a one-line error for a typo or a GPU this machine lacks."""
-    for d in devices:
-        try:
-            dev = torch.device(d)
-        except RuntimeError:
-            raise KvtError(f"unknown device {d!r}; use cpu, cuda or cuda:N")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise KvtError(f"--device {d}: CUDA is not available on this machine; use --device cpu")
-        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-            raise KvtError(f"--device {d}: this machine has {torch.cuda.device_count()} CUDA devices")
-        if dev.type not in ("cpu", "cuda", "meta", "mps"):
-            raise KvtError(f"device {d!r} is not one kvt runs on; use cpu or cuda:N")
 
 
 def check_lengths(lengths, cfgs, tok):
@@ -337,13 +321,12 @@ def item_key(task, item):
     only under the same key, so an item whose data changed under the same id is scored again."""
     t = tasks.get(task)
     fields = {k: v for k, v in dataclasses.asdict(item).items() if k != "stratum"}
-    score = t.score and f"{getattr(t.score, '__module__', '')}.{getattr(t.score, '__qualname__', type(t.score).__name__)}"
-    return hashlib.sha256(json.dumps({"item": fields, "kind": t.kind, "metrics": t.metrics, "score": score,
-                                      "max_new_tokens": t.max_new_tokens}, sort_keys=True, default=repr)
-                          .encode()).hexdigest()[:16]
+    score = t.score and f"{t.score.__module__}.{getattr(t.score, '__qualname__', type(t.score).__name__)}"
+    what = {"item": fields, "kind": t.kind, "metrics": t.metrics, "score": score, "max_new_tokens": t.max_new_tokens}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
-def check_old_records(path, header):
+def check_old_records(path):
     """Refuse the records of an older kvt beside this run's, keyed by item id alone: they may hold scores of
     items that have changed since, and this run would not know which."""
     for f in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.jsonl"):
@@ -363,9 +346,10 @@ def run_tasks(args, items, tok, conds, path, header):
     stopped run resumes. Records are keyed by task, condition, item id and item_key (what was scored).
     Under torchrun each rank takes a share of the items still to do and writes its own file. Returns the
     records of exactly these items."""
-    check_old_records(path, header)
+    check_old_records(path)
     keys = {(task, it.id): item_key(task, it) for task, its in items.items() for it in its}
-    done = {(r["task"], r["condition"], r["id"], r.get("key")) for f in record_files(path) for r in read_records(f, header)}
+    done = {(r["task"], r["condition"], r["id"], r.get("key"))
+            for f in record_files(path) for r in read_records(f, header)}
     mine = path if dist.world() == 1 else path.with_name(f"{path.stem}.rank{dist.rank()}.jsonl")
     with open_records(mine, header) as f:
         for task, its in items.items():
@@ -378,7 +362,8 @@ def run_tasks(args, items, tok, conds, path, header):
                 f.write(json.dumps({**rec, "key": keys[task, rec["id"]]}) + "\n")
                 f.flush()
     dist.barrier()
-    return [r for f in record_files(path) for r in read_records(f, header) if keys.get((r["task"], r["id"])) == r.get("key")]
+    return [r for f in record_files(path) for r in read_records(f, header)
+            if keys.get((r["task"], r["id"])) == r.get("key")]
 
 
 # ---- report ----------------------------------------------------------------------------------------------
@@ -501,7 +486,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         if name not in task_names:
             raise KvtError(f"--task-limit {name}={limits[name]}: {name!r} is not a task of this run "
                            f"({', '.join(task_names)}); check its name")
-    check_devices(args.devices.split(",") if args.devices else [args.device])
+    dist.check_devices(args.devices.split(",") if args.devices else [args.device])
     devices = dist.init(args.devices.split(",") if args.devices else [args.device])
     args.device = devices[0]
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
@@ -629,9 +614,11 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         report += ["", "## Prefill vs transfer (seconds, median)", "", f"{hardware(args.device)}; {dtype}", "",
                    format_rows(rows)]
     shown = {t: tasks.get(t).primary for t in summary if tasks.get(t).primary not in CORPUS}
-    if shown and retention_png({t: summary[t] for t in shown}, shown, out / "retention.png", f"{src_name} -> {tgt_name}"):
+    if shown:
+        drawn = retention_png({t: summary[t] for t in shown}, shown, out / "retention.png", f"{src_name} -> {tgt_name}")
         at = report.index("## Accuracy (%, 95% interval) and retention") + 2
-        report[at:at] = ["![retention](retention.png)", ""]              # above the table it draws
+        report[at:at] = (["![retention](retention.png)", ""] if drawn else  # above the table it draws
+                         ["(no retention figure: matplotlib is not installed; pip install kvt[plots] draws it)", ""])
     report += ["", f"wall time {time.time() - t0:.0f} s"]
     write_atomic(out / "report.md", "\n".join(report) + "\n")
     settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)

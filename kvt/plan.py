@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvt.config import KvtError, check_matched_kv, matched_kv, parse_pair, shape
+from kvt.config import KvtError, at_least, check_matched_kv, command, matched_kv, parse_pair, shape
 from kvt.stats import candidate_layers, groups, layer_group_bound, memory_plan, sums_bytes
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
@@ -615,25 +615,30 @@ def rehearsal(src_cfg, tgt_cfg, names, gpu="h200", count=1, tasks=PAPER_TASKS.sp
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Print the memory plan of a pair on named GPUs (no hardware needed).")
-    ap.add_argument("--pair", default="qwen3-14b:32b")
+    ap = argparse.ArgumentParser(prog="kvt plan", description="Print the memory plan of a pair on named GPUs (no "
+                                 "hardware needed).")
+    ap.add_argument("--pair", default="qwen3-14b:32b", help="FAMILY-SRC:TGT of known shapes (default qwen3-14b:32b)")
     ap.add_argument("--scope", default="layer", choices=["head", "layer"], help="layer: the paper's (default)")
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--calib-len", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
+    ap.add_argument("--context", type=int, default=32768, help="tokens of the longest context to transfer")
+    ap.add_argument("--batch", type=int, default=1, help="contexts transferred at once")
+    ap.add_argument("--calib-len", type=int, default=1024, help="tokens per calibration sequence (paper: 1024)")
     ap.add_argument("--calib-seqs", type=int, default=500, help="fit sequences (a tenth more for validation)")
     ap.add_argument("--tasks", default=PAPER_TASKS, help="the tasks whose evaluation is timed (coqa: the way back too)")
     ap.add_argument("--limit", type=int, default=500, help="items per task")
     ap.add_argument("--eval-batch", type=int, default=32, help="items evaluated together (32 items of ~1K tokens: "
                     "the 32K tokens the transfer phase plans)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--stats-dtype", default="float64", choices=["float64", "float32"])
-    ap.add_argument("--candidates", type=int, default=None)
-    ap.add_argument("--gpu", "--device", dest="gpu", default="h200", choices=sorted(GPUS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="model weights")
+    ap.add_argument("--stats-dtype", default="float64", choices=["float64", "float32"],
+                    help="calibration statistics (float32 halves them)")
+    ap.add_argument("--candidates", type=int, default=None, help="consider only this many evenly spaced source layers")
+    ap.add_argument("--gpu", "--device", dest="gpu", default="h200", choices=sorted(GPUS), help="the GPU model to plan for")
     ap.add_argument("--count", type=int, default=1, help="how many of those GPUs")
     ap.add_argument("--summary", action="store_true", help="a table over scopes, statistics dtypes, H100/H200 x 1-8")
     args = ap.parse_args(argv)
+    for name, least in (("k", 1), ("context", 1), ("batch", 1), ("calib-len", 2), ("calib-seqs", 1), ("limit", 1),
+                        ("eval-batch", 1), ("candidates", 2), ("count", 1)):
+        at_least(name, getattr(args, name.replace("-", "_")), least)
     names = parse_pair(args.pair)
     src, tgt = (shape(n) for n in names)
     kw = dict(k=args.k, context=args.context, batch=args.batch, calib_len=args.calib_len,
@@ -656,4 +661,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)  # as `kvt plan`: an error is one line

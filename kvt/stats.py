@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvt import dist
 from kvt.capture import capture, features
 from kvt.config import KvtError, check_matched_kv, matched_kv
+from kvt.weights import write_safetensors
 
 KINDS = ("k", "v")
 SPLITS = ("fit", "val")
@@ -342,8 +342,7 @@ def save_stats(stats, path):
     tensors = {f"{name}.{f}": getattr(s, f).contiguous() for name, s in stats.sums.items() for f in FIELDS}
     meta = {"format": FORMAT, "plan": json.dumps(stats.plan()), "seen": str(stats.seen), "data": stats.data,
             "key": stats.key}
-    save_file(tensors, str(path) + ".tmp", metadata=meta)
-    os.replace(str(path) + ".tmp", path)
+    write_safetensors(tensors, path, metadata=meta)
 
 
 def load_stats(path, like=None, device=None):

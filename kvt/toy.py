@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvt import scoring
-from kvt.config import Config
+from kvt.config import Config, KvtError, at_least, command
 from kvt.model import build_model, load_model
 from kvt.tokenizer import load_tokenizer
 from kvt.weights import save_model
@@ -369,7 +369,7 @@ def save(model, tok, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kvt.toy", description="Retrain the toy family from its seed.")
+    p = argparse.ArgumentParser(prog="kvt toy", description="Retrain the toy family from its seed.")
     p.add_argument("command", choices=["train"])
     p.add_argument("--out", default="weights", help="writes OUT/toy-s, OUT/toy-m, OUT/toy-l")
     p.add_argument("--members", nargs="+", choices=list(FAMILY), default=list(FAMILY))
@@ -380,6 +380,8 @@ def main(argv=None):
     p.add_argument("--teacher", type=Path, help="distill from this checkpoint's next-token distributions instead of "
                    "learning the corpus' tokens (with --scratch: a shared teacher without shared weights)")
     args = p.parse_args(argv)
+    at_least("max-steps", args.max_steps, why=" (training steps)")
+    at_least("grow-steps", args.grow_steps, why=" (training steps of a grown member)")
     torch.set_num_threads(1)  # matrices this small run faster on one thread, and one thread is reproducible
     texts = corpus(N_DOCS, seed=0)
     tok = train_tokenizer(texts)
@@ -392,7 +394,7 @@ def main(argv=None):
         init, steps = None, args.max_steps
         if parent is not None and not args.scratch:
             if parent not in done and not (Path(args.out) / parent / "model.safetensors").exists():
-                raise SystemExit(f"{name} is grown from {parent}: add {parent} to --members, or train it first")
+                raise KvtError(f"{name} is grown from {parent}: add {parent} to --members, or train it first")
             init, steps = grow(done.get(parent) or load_model(Path(args.out) / parent), cfg, args.seed), args.grow_steps
         teacher = load_model(args.teacher) if args.teacher else None
         model, record = train(cfg, ids, starts, lambda s: tok.encode(s).ids, max_steps=steps, seed=args.seed, init=init,
@@ -415,4 +417,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)  # as `kvt toy`: an error is one line

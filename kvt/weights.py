@@ -9,6 +9,7 @@ does not, is an error naming it, except the parts kvt knowingly leaves aside (`L
 """
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -132,15 +133,22 @@ def load_weights(model, path):
             raise KvtError(f"{f}: cannot read {key} ({e}); the file is truncated, download it again")
 
 
+def write_safetensors(tensors, path, metadata=None):
+    """Write tensors to a safetensors file atomically (a .tmp file, then a rename), readable by all (0644)
+    as the other files kvt writes are (safetensors itself makes its files 0600)."""
+    from safetensors.torch import save_file
+    tmp = f"{path}.tmp"
+    save_file(tensors, tmp, metadata=metadata)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
 def save_model(model, path):
     """Write `model` as a Hugging Face checkpoint folder: config.json + model.safetensors (atomically)."""
-    from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     tensors = {checkpoint_names(cfg, n)[0]: p.detach().contiguous().cpu() for n, p in model.named_parameters()}
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, tmp, {"format": "pt"})  # a tied lm_head is not a separate parameter, so not saved
-    tmp.replace(path / "model.safetensors")
+    write_safetensors(tensors, path / "model.safetensors", {"format": "pt"})  # a tied lm_head: not a parameter
     (path / "config.json.tmp").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     (path / "config.json.tmp").replace(path / "config.json")

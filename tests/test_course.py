@@ -344,3 +344,48 @@ def test_the_exercises_answers_hold_and_match_docs(capsys):
     docs = (course.ROOT / "docs" / "course.md").read_text()
     block = next(m.group(2) for m in FENCE.finditer(docs) if m.group(2).startswith("exercise 1:"))
     assert compare(printed, block) is None, compare(printed, block)
+
+
+# ---- the grader's own failures: one line, or a score that says why ---------------------------------------
+
+def test_a_broken_assignment_json_is_one_line(solutions, tmp_path, capsys):
+    """Guards: the grader's assignment.json that is not JSON, lacks "assignment" or is a list ending in a
+    JSONDecodeError, KeyError or TypeError traceback."""
+    for i, text in enumerate(['{oops', '{"solution": true}', '["rope"]']):
+        grader = shutil.copytree(solutions["rope"][1], tmp_path / f"{i}-grader")
+        (grader / "assignment.json").write_text(text)
+        with pytest.raises(SystemExit) as e:
+            entry(["course", "grade", str(solutions["rope"][0]), "--grader", str(grader)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "is not the file `kvt course make` writes" in err, err
+
+
+def test_grading_without_pytest_says_what_to_install(solutions, monkeypatch, capsys):
+    """Guards: without pytest installed a correct solution scoring 0 with "No module named pytest"."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        entry(["course", "grade", str(solutions["rope"][0]), "--grader", str(solutions["rope"][1])])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip() == "kvt: the grader runs pytest, which is not installed; pip install pytest"
+
+
+def test_an_endless_loop_is_stopped_and_scored(solutions, tmp_path, capsys):
+    """Guards: a student's endless loop hanging the grader for ever (no timeout)."""
+    folder = plant(solutions, tmp_path, "rope", "kvt/rope.py",
+                   "rotate(y.to(work), cos, -sin)", "next(x for x in iter(int, 1) if x)")
+    earned, total = course.grade(folder, tmp_path / "rope-grader", timeout=20)
+    printed = capsys.readouterr().out
+    assert earned == 0 and "not run: TimeoutError: the grader ran past 20 s" in printed, printed
+
+
+def test_ctrl_c_during_grade_does_not_promise_a_resume(monkeypatch, solutions, capsys):
+    """Guards: Ctrl-C during kvt course grade saying that a rerun resumes (a grade starts over)."""
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(course, "grade", interrupted)
+    with pytest.raises(SystemExit) as e:
+        entry(["course", "grade", str(solutions["rope"][0]), "--grader", str(solutions["rope"][1])])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "resume" not in err and "start over" in err, err

@@ -173,7 +173,7 @@ def test_interrupted_build_resumes_bit_identical(setup, built, monkeypatch):
 
 def test_bad_input_is_one_line(setup, tmp_path):
     """Bug: a traceback (or a silent fallback) for a missing parent, or for a rerun with other flags."""
-    with pytest.raises(SystemExit, match=r"^kvt: no checkpoint folder .*nope"):
+    with pytest.raises(KvtError, match=r"^no checkpoint folder .*nope"):
         family.main(argv(setup, "depth", tmp_path / "x", "--parent", str(tmp_path / "nope")))
     with pytest.raises(KvtError, match="other flags"):
         build(argv(setup, "depth", setup / "sibling-depth", "--seed", "1"))

@@ -155,3 +155,19 @@ def test_right_padding_refused(tiny):
     with pytest.raises(KvtError, match="padding_side='left'") as e:
         hf.transfer(p.hs, p.ht, p.mapper, ids, mask)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("ids,mapper,words", [
+    (torch.zeros(8, dtype=torch.long), True, ["shape (batch, tokens)", "ids[None]"]),
+    (torch.zeros(1, 8), True, ["integer token ids", "torch.float32"]),
+    (torch.zeros(1, 0, dtype=torch.long), True, ["shape (batch, tokens)", "(1, 0)"]),
+    (torch.tensor([[1, 2, 10 ** 6]]), True, ["token id 1000000 is outside", "this model's tokenizer"]),
+    (torch.zeros(1, 8, dtype=torch.long), None, ["mapper must be a kvt Mapper", "NoneType"]),
+], ids=["1-D ids", "float ids", "zero tokens", "id beyond the vocabulary", "mapper None"])
+def test_bad_transfer_input_is_one_line(tiny, ids, mapper, words):
+    """Guards: kvt.hf.transfer ending in a traceback deep in transformers or the mapper for 1-D or float
+    ids, zero tokens, a token id of 10**6, or mapper None."""
+    p = tiny["qwen3"]
+    with pytest.raises(KvtError) as e:
+        hf.transfer(p.hs, p.ht, p.mapper if mapper else None, ids)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)

@@ -425,7 +425,8 @@ def test_a_rerun_on_changed_data_scores_the_changed_items_again(world):
 TWO_CHOICES = '''
 from kvt.tasks import Item, Task
 GOLD = {gold}
-task = Task("mine", load=lambda: [Item(str(i), f"Question {{i}}: which one?", GOLD, ["yes", "no"], "Answer:") for i in range(5)])
+task = Task("mine", load=lambda: [Item(str(i), f"Question {{i}}: which?", GOLD, ["yes", "no"], "Answer:")
+                                  for i in range(5)])
 '''
 
 
@@ -487,7 +488,8 @@ TASK_FILES = [
     ("missing import", "import no_such_module_kvt\n", ["line 3", "ModuleNotFoundError", "install what it imports"]),
     ("raises at import", "x = 1 / 0\n", ["line 3", "ZeroDivisionError", "fix the file"]),
     ("sys.exit", "sys.exit(0)\n", ["called sys.exit(0)", "defines tasks and returns"]),
-    ("choices not text", "T = Task('bad', lambda: [Item('1', 'Q', 0, [1, 2], 'A')])\n", ["choice 0 is 1", "non-empty string"]),
+    ("choices not text", "T = Task('bad', lambda: [Item('1', 'Q', 0, [1, 2], 'A')])\n",
+     ["choice 0 is 1", "non-empty string"]),
     ("context None", "T = Task('bad', lambda: [Item('1', None, 0, ['a', 'b'], 'A')])\n", ["its context is None", "text"]),
     ("loader raises", "def load():\n    raise RuntimeError('boom')\nT = Task('bad', load)\n",
      ["its loader raised RuntimeError: boom", "fix the loader"]),
@@ -581,3 +583,194 @@ def test_an_output_folder_kvt_cannot_write_is_refused(world, monkeypatch, tmp_pa
         run.main(argv(world, out=tmp_path))
     with pytest.raises(KvtError, match="cannot write to .*make it writable, or choose another --out"):
         run.open_records(tmp_path, {})
+
+
+# ---- plan, bench, cascade: their arguments and files ---------------------------------------------------------
+
+@pytest.mark.parametrize("module,args,words", [
+    ("plan", ["--k", "0"], ["--k 0: must be at least 1"]),
+    ("plan", ["--context", "0"], ["--context 0: must be at least 1"]),
+    ("plan", ["--batch", "-3"], ["--batch -3: must be at least 1"]),
+    ("plan", ["--count", "0"], ["--count 0: must be at least 1"]),
+    ("bench", ["--lengths", "abc"], ["--lengths 'abc'", "e.g. 512,1024"]),
+    ("bench", ["--recompute", "abc"], ["--recompute 'abc'", "fractions of the prompt in (0, 1]"]),
+    ("bench", ["--k", "0", "--lengths", "4", "--repeats", "1"], ["--k 0: must be at least 1"]),
+    ("bench", ["--repeats", "0"], ["--repeats 0: must be at least 1"]),
+    ("bench", ["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], ["--device", "use"]),
+    ("cascade", ["R", "--tokens", "0"], ["--tokens 0: must be at least 1"]),
+    ("cascade", ["R", "--tokens", "-5"], ["--tokens -5: must be at least 1"]),
+    ("cascade", ["R", "--frac", "5"], ["--frac 5.0", "within [0, 1]"]),
+    ("cascade", ["R", "--k", "0"], ["--k 0: must be at least 1"]),
+    ("cascade", ["R", "--shapes", "qwen3-1.7b:0.6b"], ["qwen3-1.7b is not smaller than qwen3-0.6b", "small model first"]),
+    ("cascade", ["DONE/results.json"], ["is not a records file", "not its results.json"]),
+    ("cascade", ["DONE/missing.jsonl"], ["no such records file", "records-*.jsonl"]),
+    ("cascade", ["R", "--bench", "DONE/missing.json"], ["--bench", "no such file", "kvt bench --lengths 4096 --json"]),
+    ("cascade", ["R", "--bench", "DONE/results.json"], ["is not a kvt bench --json file", "kvt bench --lengths"]),
+], ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_plan_bench_and_cascade_arguments_are_one_line(world, module, args, words):
+    """Guards: plan saying "fits" for --k 0, --context 0 or --batch -3 (-30 GiB) and a traceback for --count 0;
+    bench tracebacks for --lengths abc, --recompute abc, --k 0 (after minutes of work) and CUDA that is not
+    there; cascade accepting --tokens 0, --frac 5, --k 0 or a large:small --shapes, and tracebacks on a
+    results.json, a missing records file, a missing or broken --bench file."""
+    import importlib
+    done = world["done"]
+    args = [str(the(done, "records-*")) if a == "R" else a.replace("DONE", str(done)) for a in args]
+    with pytest.raises(KvtError) as e:
+        importlib.import_module(f"kvt.{module}").main(args)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_cascade_refuses_a_cut_or_corrupt_records_file(world):
+    """Guards: kvt cascade reading a records file cut short (447 of 800 items) or with a corrupt middle
+    line without a word, over the items that happened to be there."""
+    from kvt import cascade
+    folder = run_folder_copy(world, "cascade_cut")
+    records = the(folder, "records-*")
+    lines = records.read_text().splitlines()
+    cascade.read(records)                                             # the whole file reads
+    records.write_text("\n".join(lines[:-4]) + "\n")                  # the last item cut off, at a line boundary
+    with pytest.raises(KvtError, match=r"holds 5 of the 6 items .*results.json lists; the file was cut short"):
+        cascade.read(records)
+    records.write_text("\n".join(lines[:-2]) + "\n")                  # an item without all its conditions
+    with pytest.raises(KvtError, match=r"1 items lack a condition .*run it again with the same settings"):
+        cascade.read(records)
+    records.write_text("\n".join(lines[:3] + ["{corrupt"] + lines[4:]) + "\n")
+    with pytest.raises(KvtError, match=r"line 4: not a record \(corrupt\)"):
+        cascade.read(records)
+    records.write_text("\n".join(lines) + "\n" + lines[-1][:20])      # a torn last line is skipped
+    assert len(cascade.read(records)) == len(lines) - 1
+
+
+# ---- figures, toy, family, and the kvt command itself -------------------------------------------------------
+
+@pytest.mark.parametrize("args,words", [
+    (["gate"], ["figures gate reads files", "results.json files"]),
+    (["scaling"], ["figures scaling reads files", "kvt bench --json files"]),
+    (["gate", "DONE/missing.json"], ["missing.json: no such file", "give a results.json"]),
+    (["scaling", "DONE/results.json"], ["is not a kvt bench --json file", "lacks"]),
+    (["gate", "RECORDS"], ["is not a results.json of a finished kvt run", "JSONDecodeError"]),
+    (["recompute", "DONE"], ["is not a results.json", "IsADirectoryError"]),
+    (["r2", "--k", "0"], ["--k 0: must be at least 1"]),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_figures_arguments_and_files_are_one_line(world, args, words):
+    """Guards: kvt figures gate with no files ending in exit 0 and a table of nan; tracebacks for a
+    missing file, a results.json given to scaling, a records .jsonl given to gate, and r2 --k 0."""
+    from kvt import figures
+    done = world["done"]
+    args = [str(the(done, "records-*")) if a == "RECORDS" else a.replace("DONE", str(done)) for a in args]
+    with pytest.raises(KvtError) as e:
+        figures.main(args)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_figures_r2_finds_the_toy_family_where_kvt_finds_it(monkeypatch, tmp_path):
+    """Guards: kvt figures r2 after `pip install .` looking for the toy weights in site-packages/weights
+    (they install in <prefix>/share/kvt/weights, which kvt.config.find_weights looks in)."""
+    from kvt import config, figures
+    seen = []
+    monkeypatch.setattr(config, "find_weights", lambda name, weights=None: seen.append(name) or tmp_path / name)
+    with pytest.raises(KvtError, match="no checkpoint folder"):
+        figures.main(["r2"])
+    assert seen == ["toy-s", "toy-m"]
+
+
+def test_toy_and_family_arguments_are_one_line(tmp_path):
+    """Guards: kvt toy train --max-steps 0 ending in UnboundLocalError, and kvt family build --seq-len 0 in a
+    ZeroDivisionError after a minute of work."""
+    from kvt import family, toy
+    with pytest.raises(KvtError, match=r"--max-steps 0: must be at least 1"):
+        toy.main(["train", "--max-steps", "0", "--out", str(tmp_path)])
+    fam = ["build", "--parent", str(ROOT / "weights" / "toy-m"), "--kind", "depth", "--out", str(tmp_path / "sib")]
+    for extra, words in [(["--seq-len", "0"], "--seq-len 0: must be at least 2"),
+                         (["--tokens", "10"], "--tokens 10: fewer than one step"), (["--lr", "0"], "--lr 0.0")]:
+        with pytest.raises(KvtError, match=words):
+            family.main(fam + extra)
+    assert not (tmp_path / "sib").exists()
+
+
+def test_a_failed_family_build_removes_the_out_it_created(tmp_path):
+    """Guards: a kvt family build refused after it made --out (a --keep beyond the parent's layers)
+    leaving an empty folder behind."""
+    from kvt import family
+    shared = SHARED / "data" / "calib"
+    if not (shared / "wikitext-2" / "valid.txt").exists():
+        pytest.skip("no ../shared/data/calib")
+    with pytest.raises(KvtError, match="--keep 99"):
+        family.main(["build", "--parent", str(ROOT / "weights" / "toy-m"), "--kind", "depth", "--out",
+                     str(tmp_path / "sib"), "--keep", "99", "--score-seqs", "1", "--score-len", "8", "--windows", "1",
+                     "--window-len", "8"])
+    assert not (tmp_path / "sib").exists()
+
+
+def kvt_cli(capsys, *args):
+    """`kvt ARGS` in this process: (exit status, stdout, stderr)."""
+    from kvt import cli
+    with pytest.raises(SystemExit) as e:
+        cli.entry(list(args))
+        sys.exit(0)
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def test_the_kvt_command_says_how_to_use_it(capsys):
+    """Guards: `kvt --help` and a bare `kvt` printing the command list to stderr with no usage line and
+    no hint about `kvt <command> --help`; subcommands calling themselves `kvt` or `python -m kvt.toy`;
+    cascade, figures, family and toy exiting 1 on user errors where the rest exit 2."""
+    code, out, err = kvt_cli(capsys, "--help")
+    assert code == 0 and out.startswith("usage: kvt <command>") and "kvt <command> --help" in out and not err
+    code, out, err = kvt_cli(capsys)
+    assert code == 2 and err.startswith("usage: kvt <command>")
+    code, out, err = kvt_cli(capsys, "nope")
+    assert code == 2 and err.strip() == ("kvt: unknown command 'nope'; the commands are run, bench, plan, toy, family, "
+                                         "figures, cascade, course (kvt --help)")
+    for cmd in ("run", "bench", "plan", "toy", "family", "figures", "cascade"):
+        code, out, err = kvt_cli(capsys, cmd, "--help")
+        assert code == 0 and out.startswith(f"usage: kvt {cmd} "), (cmd, out[:80])
+    for args in (["cascade", "nope.jsonl"], ["figures", "gate"], ["toy", "train", "--max-steps", "0"],
+                 ["family", "build", "--parent", "x", "--kind", "depth", "--out", "y", "--seq-len", "0"]):
+        code, out, err = kvt_cli(capsys, *args)
+        assert code == 2 and err.startswith("kvt: ") and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_plan_and_bench_options_have_help(monkeypatch):
+    """Guards: most plan and bench options without a word of help."""
+    import argparse
+
+    from kvt import bench, plan
+    given, add = [], argparse.ArgumentParser.add_argument
+    monkeypatch.setattr(argparse.ArgumentParser, "add_argument",
+                        lambda self, *a, **kw: given.append((a[0], kw.get("help"))) or add(self, *a, **kw))
+    for module in (plan, bench):
+        with pytest.raises(SystemExit), pytest.MonkeyPatch.context() as m:
+            m.setattr(sys, "stdout", open("/dev/null", "w"))
+            module.main(["--help"])
+    assert len(given) > 20 and not [name for name, text in given if not text], given
+
+
+def test_every_file_of_a_run_is_readable_by_all(world):
+    """Guards: mapper and statistics files written 0600 (safetensors' own mode) where the rest are 0644."""
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in world["done"].iterdir() if f.is_file()}
+    assert any(n.startswith("mapper-") for n in modes) and any(n.startswith("stats-") for n in modes), modes
+    assert set(modes.values()) == {"0o644"}, modes
+
+
+def test_the_report_says_why_it_has_no_figure(world, monkeypatch):
+    """Guards: report.md naming no retention figure, without a word, when matplotlib is not installed."""
+    from kvt import figures
+    monkeypatch.setattr(figures, "pyplot", lambda say=False: None)
+    folder = run_folder_copy(world, "no_matplotlib")
+    (folder / "retention.png").unlink(missing_ok=True)
+    run.main(argv(world, out=folder))
+    report = (folder / "report.md").read_text()
+    assert "no retention figure: matplotlib is not installed; pip install kvt[plots]" in report
+    assert "![retention]" not in report and not (folder / "retention.png").exists()
+
+
+def test_python_dash_m_ends_errors_as_kvt_does():
+    """Guards: `python -m kvt.cascade` (as README and the tutorial run it) ending a KvtError in a traceback,
+    or exiting 1 where `kvt cascade` exits 2."""
+    p = subprocess.run([sys.executable, "-m", "kvt.cascade", "nope.jsonl"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.strip() == ("kvt: nope.jsonl: no such records file; give the records-*.jsonl "
+                                                      "of a finished kvt run"), p.stderr
