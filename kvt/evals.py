@@ -135,8 +135,9 @@ def score_rolling(cond, tok, items, task):
             raise KvtError(f"{task.name} item {item.id}: no text to score after the prefix (Item.continuation)")
         pairs.append((ctx, [cont]))
         texts.append(text)
+    results = scoring.batch_loglikelihoods(cond.model, pairs, cond.prefill)
     return [{"ll": lls[0], "tokens": len(conts[0]), "words": len(re.split(r"\s+", text)), "bytes": len(text.encode("utf-8"))}
-            for ((_, conts), text, (lls, _)) in zip(pairs, texts, scoring.batch_loglikelihoods(cond.model, pairs, cond.prefill))]
+            for (_, conts), text, (lls, _) in zip(pairs, texts, results)]
 
 
 # ---------------------------------------------------------------------------------- generation
@@ -175,7 +176,8 @@ def score_generation(cond, tok, items, task, max_new_tokens=None):
         for item, output, lp in zip(group, outputs, lps):
             scores = task.score(output, item.gold)
             if not isinstance(scores, dict) or not set(task.metrics) <= set(scores):
-                raise KvtError(f"{task.name}: its score function returned {scores!r}, which lacks its metrics {task.metrics}")
+                raise KvtError(f"{task.name}: its score function returned {scores!r}, which lacks its metrics "
+                               f"{task.metrics}")
             out.append({"gold": item.gold, "output": output, **scores, "logprob": sum(lp) / max(1, len(lp))})
     return out
 
