@@ -247,14 +247,20 @@ def test_statistics_of_another_pair_under_this_runs_name_are_refused(world, othe
 
 def test_a_torn_records_line_is_dropped_and_the_run_resumes(world):
     """A crash in mid-write leaves half a line at the end of the records: the rerun drops it, scores that
-    item again, and ends with the same results. Guards: a JSONDecodeError on every rerun."""
+    item again, and ends with the same results. Guards: a JSONDecodeError on every rerun. The item is
+    scored again in a batch of its own, so its loglikelihoods may differ from the first run's in float32's
+    last bits (evaluation batches, docs/evaluation.md); everything else is the same."""
     folder = run_folder_copy(world, "torn")
     records = the(folder, "records-*")
     text = records.read_text()
     lines = text.splitlines()
     records.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25])
     again = run.main(argv(world, out=folder))
-    assert records.read_text() == text
+    got, want = (json.loads(line) for line in (records.read_text().splitlines()[-1], lines[-1]))
+    assert records.read_text().splitlines()[:-1] == lines[:-1] and got.keys() == want.keys()
+    for key, value in want.items():                          # numbers within float32 rounding, the rest equal
+        numbers = isinstance(value, float) or isinstance(value, list) and value and isinstance(value[0], float)
+        assert got[key] == (pytest.approx(value, rel=1e-5) if numbers else value), (key, got, want)
     assert json.dumps(again["tasks"], sort_keys=True) == json.dumps(world["results"]["tasks"], sort_keys=True)
 
 
