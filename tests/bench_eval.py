@@ -64,7 +64,7 @@ def main(argv=None):
     first = batches[0]
     for b in batches:
         med, lo, hi = per_round(timing[first], timing[b])
-        print(f"{b:6d} {timing[b]:9.2f} {timing[b].min:8.2f} {timing[b].max:8.2f} {n / timing[b]:8.1f} "
+        print(f"{b:6d} {timing[b]:9.2f} {timing[b].min:8.2f} {timing[b].max:8.2f} {n / timing[b]:8.2f} "
               f"{timing[first] / timing[b]:8.2f} {f'{med:.2f} ({lo:.2f}-{hi:.2f})':>22}")
     def scores(r):                                              # a record's loglikelihoods, if it has any
         return r.get("lls") or ([r["ll"]] if "ll" in r else [])
