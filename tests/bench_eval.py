@@ -41,7 +41,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8", help="batch sizes to time, the first the reference")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, help="generation tasks: at most this many tokens (default: the task's)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     dtype, batches = getattr(torch, args.dtype), [int(b) for b in args.batches.split(",")]
