@@ -198,10 +198,12 @@ def eval_shape(items, tok):
     for task, its in items.items():
         kind = tasks.get(task).kind
         for it in its:
-            text = ("".join(tasks.coqa_segments(it)) if kind == "coqa"
-                    else it.context + max(it.choices or [""], key=len) + it.continuation)
+            if kind == "coqa":
+                text = "".join(tasks.coqa_segments(it))
+            else:
+                text = it.context + max(it.choices or [""], key=len) + it.continuation
+                choices = max(choices, len(it.choices or []))
             longest = max(longest, len(tok.encode(text)))
-            choices = max(choices, len(it.choices or []))
         if kind in ("generate_until", "coqa"):
             new = max(new, tasks.get(task).max_new_tokens)
     return longest, choices, new
