@@ -102,32 +102,33 @@ def region_sizes(n):
     return max(2, round(n / 10)), max(2, round(n / 20))
 
 
-def tokenize_documents(docs, tokenizer, cache=None, progress=False):
-    """Every document's token ids (special=False), and a function that keeps them in `cache` (a folder;
-    the file is keyed by the documents' text and tokenizer.hash(), see the module docstring). They are read
-    from the cache when it has them; a file that cannot be read is made again. The caller keeps them once
-    they have proven usable, so a refused run leaves its folder as it was."""
-    if cache is None:
-        return [tokenizer.encode(d, special=False) for d in tqdm(docs, "tokenizing", disable=not progress)], lambda: None
+def token_file(docs, tokenizer, cache):
+    """Where the documents' token ids are kept in the folder `cache`: calib-tokens-<key>.safetensors, the key a
+    hash of the documents' text and of the whole tokenizer (tokenizer.hash())."""
     h = hashlib.sha256(tokenizer.hash().encode())
     for d in docs:
         h.update(hashlib.sha256(d.encode("utf-8", errors="replace")).digest())
-    file = Path(cache) / f"calib-tokens-{h.hexdigest()[:16]}.safetensors"
+    return Path(cache) / f"calib-tokens-{h.hexdigest()[:16]}.safetensors"
+
+
+def read_tokens(file):
+    """Every document's ids from a token file, or None when there is none or it cannot be read (then it is
+    made again)."""
     try:
         t = load_file(file)
         ids, starts = t["ids"].tolist(), t["starts"].tolist()             # (N,) all documents' ids, (D + 1,)
-        return [ids[a:b] for a, b in zip(starts, starts[1:])], lambda: None
+        return [ids[a:b] for a, b in zip(starts, starts[1:])]
     except (FileNotFoundError, SafetensorError, KeyError):
-        pass
-    out, _ = tokenize_documents(docs, tokenizer, progress=progress)
+        return None
 
-    def keep():
-        starts = torch.tensor([0] + [len(ids) for ids in out]).cumsum(0)  # (D + 1,) where each document starts
-        Path(cache).mkdir(parents=True, exist_ok=True)
-        tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")            # ranks of one run may race here
-        save_file({"ids": torch.tensor([i for ids in out for i in ids], dtype=torch.int32), "starts": starts}, tmp)
-        tmp.replace(file)
-    return out, keep
+
+def write_tokens(file, tokens):
+    """Keep every document's ids (lists) in `file`, written atomically."""
+    starts = torch.tensor([0] + [len(ids) for ids in tokens]).cumsum(0)   # (D + 1,) where each document starts
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")                # ranks of one run may race here
+    save_file({"ids": torch.tensor([i for ids in tokens for i in ids], dtype=torch.int32), "starts": starts}, tmp)
+    tmp.replace(file)
 
 
 def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documents=None, n_val=None, n_diag=None,
@@ -135,7 +136,7 @@ def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documen
     """A Calibration of n fit, n_val validation and n_diag diagnostics sequences of `length` tokens
     (defaults: region_sizes(n)); the same arguments always give the same ids. documents: a list of
     texts to draw from instead of files (e.g. the toy corpus). cache: a folder keeping the documents'
-    token ids (tokenize_documents)."""
+    token ids (token_file), read when there, written once the sequences are made (a refusal writes nothing)."""
     if n < 1 or length < 2:
         raise KvtError(f"calibration needs at least 1 sequence of at least 2 tokens (got {n} x {length})")
     docs = documents if documents is not None else read_documents(paths_or_dir)
@@ -147,7 +148,11 @@ def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documen
     rng = random.Random(seed)
     order = rng.sample(range(len(docs)), len(docs))          # documents in a seeded order
     sep = tokenizer.encode("\n\n", special=False)
-    tokens, keep = tokenize_documents(docs, tokenizer, cache, progress)
+    file = None if cache is None else token_file(docs, tokenizer, cache)
+    tokens = None if file is None else read_tokens(file)
+    fresh = tokens is None
+    if fresh:
+        tokens = [tokenizer.encode(d, special=False) for d in tqdm(docs, "tokenizing", disable=not progress)]
     streams, i = {}, 0
     for region in ("diag", "val", "fit"):                    # fit last: it takes every document left
         stream = []
@@ -166,7 +171,8 @@ def calibration_sequences(paths_or_dir, tokenizer, n, length, seed=0, *, documen
         picked = sorted(rng.sample(range(slots), wanted[region]))
         out[region] = torch.tensor([([bos] if bos is not None else []) + stream[s * need:(s + 1) * need]
                                     for s in picked], dtype=torch.long).view(-1, length)   # (count, length)
-    keep()
+    if file is not None and fresh:
+        write_tokens(file, tokens)
     return Calibration(out["fit"], out["val"], out["diag"])
 
 

@@ -98,8 +98,8 @@ def _device(model):
 
 def score_choice(cond, tok, items, task):
     """multiple_choice: kvt.scoring.score_choice_batch, the scorer toy.choice_accuracy uses too."""
-    return scoring.score_choice_batch(cond.model, tok.encode, [(item.floor if cond.floor else item.context,
-                                      item.choices, item.gold) for item in items], tok.prefix_id, cond.prefill)
+    triples = [(item.floor if cond.floor else item.context, item.choices, item.gold) for item in items]
+    return scoring.score_choice_batch(cond.model, tok.encode, triples, tok.prefix_id, cond.prefill)
 
 
 def score_inputs(cond, tok, items, task):
@@ -135,8 +135,9 @@ def score_rolling(cond, tok, items, task):
             raise KvtError(f"{task.name} item {item.id}: no text to score after the prefix (Item.continuation)")
         pairs.append((ctx, [cont]))
         texts.append(text)
+    results = scoring.batch_loglikelihoods(cond.model, pairs, cond.prefill)
     return [{"ll": lls[0], "tokens": len(conts[0]), "words": len(re.split(r"\s+", text)), "bytes": len(text.encode("utf-8"))}
-            for ((_, conts), text, (lls, _)) in zip(pairs, texts, scoring.batch_loglikelihoods(cond.model, pairs, cond.prefill))]
+            for (_, conts), text, (lls, _) in zip(pairs, texts, results)]
 
 
 # ---------------------------------------------------------------------------------- generation
@@ -252,9 +253,10 @@ def evaluate(task, items, tok, conds, done=(), progress=True, batch_size=1, **op
     the turn that follows the handoff). CoQA has no floor: floor conditions are skipped."""
     task = tasks.get(task)
     score, done = SCORERS[task.kind], set(map(tuple, done))
-    bar = tqdm(total=len(items), desc=task.name, disable=not progress)
-    for i in range(0, len(items), batch_size):
-        chunk, records = items[i:i + batch_size], {}
+    pending = [item for item in items if any((name, item.id) not in done for name in conds)]  # batches are full
+    bar = tqdm(total=len(items), initial=len(items) - len(pending), desc=task.name, disable=not progress)
+    for i in range(0, len(pending), batch_size):
+        chunk, records = pending[i:i + batch_size], {}
         for name, cond in conds.items():
             todo = [item for item in chunk if (name, item.id) not in done]
             if not todo or (task.kind == "coqa" and cond.floor):

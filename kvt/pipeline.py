@@ -180,16 +180,18 @@ def check_lengths(lengths, cfgs, tok):
 
 def eval_shape(items, tok):
     """What an evaluation batch holds per item, for plan.eval_batch: the longest prompt in tokens (a context
-    with its longest choice and its continuation; a whole conversation), the most continuations an item scores (choices, or
-    contexts of a multiple_input item), and the most tokens a task generates."""
+    with its longest choice and its continuation; a whole conversation), the most continuations an item
+    scores (choices, or a multiple_input item's contexts), and the most tokens a task generates."""
     longest, choices, new = 1, 1, 0
     for task, its in items.items():
         kind = tasks.get(task).kind
         for it in its:
-            text = ("".join(tasks.coqa_segments(it)) if kind == "coqa"
-                    else it.context + max(it.choices or [""], key=len) + it.continuation)
+            if kind == "coqa":
+                text = "".join(tasks.coqa_segments(it))
+            else:
+                text = it.context + max(it.choices or [""], key=len) + it.continuation
+                choices = max(choices, len(it.choices or []))
             longest = max(longest, len(tok.encode(text)))
-            choices = max(choices, len(getattr(it, "choices", None) or []))  # a Conversation has none
         if kind in ("generate_until", "coqa"):
             new = max(new, tasks.get(task).max_new_tokens)
     return longest, choices, new
@@ -503,7 +505,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     missing = [str(p) for p in args.calib if not Path(p).exists()]
     if missing and not is_toy and args.calib == [args.data_dir / c for c in REAL_CALIB]:
         raise KvtError(f"no calibration text at {', '.join(missing)}; point --data-dir (or KVT_DATA) at a data folder "
-                       "with calib/wikitext-2 (WikiText-2 raw, .txt) and calib/gutenberg (Project Gutenberg books, .txt), "
+                       "with calib/wikitext-2 (WikiText-2 raw, .txt) and calib/gutenberg (Project Gutenberg books, "
+                       ".txt), "
                        "e.g. ../shared/data, or pass --calib with your own .txt/.jsonl/.json files or folders")
     calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text,
                                   cache=None if toy_text else out, progress=dist.rank() == 0)

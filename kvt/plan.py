@@ -400,8 +400,10 @@ def eval_batch(src_cfg, tgt_cfg, cap, context, choices=4, new_tokens=256, scope=
     while b <= most:
         p = plan(src_cfg, tgt_cfg, scope, k, context + new_tokens, dtype, devices, batch=b, calibrate=False)
         rows = b * choices
-        p.rows += [("transfer", f"continuations' caches, {rows} x {context} tokens", kv_bytes(tgt_cfg, p.devices, rows * context, dtype)),
-                   ("transfer", "log-probabilities (float32)", {p.devices[-1]: 2 * rows * CONT_TOKENS * tgt_cfg.vocab_size * 4})]
+        p.rows += [("transfer", f"continuations' caches, {rows} x {context} tokens",
+                    kv_bytes(tgt_cfg, p.devices, rows * context, dtype)),
+                   ("transfer", "log-probabilities (float32)",
+                    {p.devices[-1]: 2 * rows * CONT_TOKENS * tgt_cfg.vocab_size * 4})]
         if not fits(p, cap):
             break
         best, b = b, 2 * b

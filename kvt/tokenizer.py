@@ -44,7 +44,8 @@ class Tokenizer:
         # config's BOS if it names one (Llama 3 <|begin_of_text|>, SmolLM2 <|im_start|>), else EOS (Qwen3)
         bos = named("bos_token")
         self.prefix_id = bos if bos is not None else self.eos_id
-        self.stop_ids = tuple(dict.fromkeys([*end_ids(file.parent), *([self.eos_id] if self.eos_id is not None else [])]))
+        ends = end_ids(file.parent) + ((self.eos_id,) if self.eos_id is not None else ())
+        self.stop_ids = tuple(dict.fromkeys(ends))                   # generation ends at any of these
 
     def encode(self, text, special=True):
         """text -> token ids; special=True adds what the family's post-processor adds (Llama 3: BOS)."""

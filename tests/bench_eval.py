@@ -41,7 +41,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8", help="batch sizes to time, the first the reference")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, help="generation tasks: at most this many tokens (default: the task's)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     dtype, batches = getattr(torch, args.dtype), [int(b) for b in args.batches.split(",")]
@@ -64,7 +64,7 @@ def main(argv=None):
     first = batches[0]
     for b in batches:
         med, lo, hi = per_round(timing[first], timing[b])
-        print(f"{b:6d} {timing[b]:9.2f} {timing[b].min:8.2f} {timing[b].max:8.2f} {n / timing[b]:8.1f} "
+        print(f"{b:6d} {timing[b]:9.2f} {timing[b].min:8.2f} {timing[b].max:8.2f} {n / timing[b]:8.2f} "
               f"{timing[first] / timing[b]:8.2f} {f'{med:.2f} ({lo:.2f}-{hi:.2f})':>22}")
     def scores(r):                                              # a record's loglikelihoods, if it has any
         return r.get("lls") or ([r["ll"]] if "ll" in r else [])

@@ -206,3 +206,25 @@ def test_left_pad_and_batch_loglikelihoods_equal_the_plain_scorer():
     for (ctx, conts), (lls, greedy) in zip(pairs, scoring.batch_loglikelihoods(model, pairs)):
         want, want_greedy = scoring.loglikelihoods(model, ctx, conts)
         assert max(abs(a - b) for a, b in zip(lls, want)) <= TOL and greedy == want_greedy
+
+
+def test_default_batch_follows_the_prompts_and_the_plan(toy_run):
+    """run.py's default --batch-size: eval_shape reads the longest prompt, the most choices and the most new
+    tokens of every kind (a conversation has no choices: it broke on CoQA once); plan.eval_batch gives 8 on a
+    CPU and on an H200 for Qwen3-14B -> 32B a power of two that shrinks as prompts grow, 1 where only the
+    weights fit (an H100)."""
+    from kvt.config import shape
+    from kvt.pipeline import eval_shape
+    from kvt.plan import CPU_EVAL_BATCH, capacity, eval_batch
+    tok = toy_run[0]
+    conv = T.Conversation("c", "the pets : anna cat .", ["anna ?", "ben ?"], [["cat"], ["dog"]])
+    items = {"toy_recall": T.load_task("toy_recall", None, 3, n=40), "coqa": [conv]}
+    longest, choices, new = eval_shape(items, tok)
+    want = max(len(tok.encode(it.context + max(it.choices, key=len))) for it in items["toy_recall"])
+    assert (longest, choices, new) == (want, 4, T.get("coqa").max_new_tokens)
+    src, tgt = shape("qwen3-14b"), shape("qwen3-32b")
+    assert eval_batch(src, tgt, capacity(["cpu"]), 1000) == CPU_EVAL_BATCH
+    h200 = capacity(["cuda:0"], "h200")
+    sizes = [eval_batch(src, tgt, h200, n, 1, 256, devices=["cuda:0"]) for n in (500, 1000, 4000, 16000)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] >= 16 and all(b & (b - 1) == 0 for b in sizes), sizes
+    assert eval_batch(src, tgt, capacity(["cuda:0"], "h100"), 1000, devices=["cuda:0"]) == 1

@@ -135,7 +135,7 @@ class Counting(Chars):
 def test_token_ids_are_cached_by_text_and_tokenizer(tmp_path):
     """Bug: the calibration text was tokenized again on every run and resume (minutes on the real corpus).
     With a cache folder, the second run encodes only the separator and gets the same sequences; other text
-    or another tokenizer gets its own file; a torn file is made again."""
+    or another tokenizer gets its own file; a torn file is made again; a refused request writes none."""
     text, cache = tmp_path / "text", tmp_path / "out"
     text.mkdir()
     for i in range(30):
@@ -158,6 +158,9 @@ def test_token_ids_are_cached_by_text_and_tokenizer(tmp_path):
     c = calibration_sequences(text, again, n=5, length=64, seed=1, cache=torn)
     assert again.calls == 31 and f.stat().st_size > 50
     assert c.hash() == calibration_sequences(text, Chars(), n=5, length=64, seed=1).hash()
+    with pytest.raises(KvtError, match="windows"):                                # a refused run writes nothing
+        calibration_sequences(text, Counting(), n=500, length=64, seed=1, cache=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_missing_calibration_folder_says_where_to_point(tiny_pair, tmp_path):
