@@ -6,7 +6,7 @@ before, after a warm-up run that loads every library and a malloc_trim that retu
 with large blocks mapped on their own (mallopt) so that resident memory follows live tensors, as CUDA's
 max_memory_allocated does: RSS counts pages touched, so it sits at or below
 what was allocated, and the plan (kvt/plan.py) must bound it: measured <= plan * (1 + MARGIN) + SLACK.
-The plan must also not be loose: measured >= plan * TIGHT.
+The plan must also not be loose: measured >= plan * TIGHT."""
 import ctypes
 import dataclasses
 
