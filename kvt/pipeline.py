@@ -513,17 +513,17 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     skey = stats_key(args, src_dir, tgt_dir, calib)
     cap = capacity(devices)
     plans = {}                                     # the plan of every mapper this run fits, checked before any of it
-    for a, b, names in [(src_cfg, tgt_cfg, (src_name, tgt_name))] + ([(tgt_cfg, src_cfg, (tgt_name, src_name))]
-                                                                      if "coqa" in task_names else []):
-        plans[names] = split_to_fit(plan(a, b, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
+    for way, a, b, names in [("forward", src_cfg, tgt_cfg, (src_name, tgt_name))] + (
+            [("back", tgt_cfg, src_cfg, (tgt_name, src_name))] if "coqa" in task_names else []):
+        plans[way] = split_to_fit(plan(a, b, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
                                          dtype, devices, calib_len=args.calib_len,
                                          stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
                                          bench=args.bench and not plans), cap)
         if dist.rank() == 0:
-            print(format_plan(plans[names], cap, " -> ".join(names)))
+            print(format_plan(plans[way], cap, " -> ".join(names)))
     for p in plans.values():
         check_plan(p, cap)
-    memory = plans[src_name, tgt_name]
+    memory = plans["forward"]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -563,7 +563,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     if "coqa" in task_names:  # the other direction: the large model hands the conversation to the small one
         back_key = stats_key(args, tgt_dir, src_dir, calib)
         back, back_name = get_mapper(args, target, source, tok, calib, out, back_key, dtype,
-                                     plans[tgt_name, src_name].options["group"])
+                                     plans["back"].options["group"])
         back = back.place(layer_devices(source))
         rev_header = dict(header, mapper=back_name)
         rev = run_tasks(args, {"coqa": items["coqa"]}, tok,

@@ -14,7 +14,8 @@
    so its way back is calibrated and evaluated too), calibration on 16 x 256 tokens of wikitext-2, the
    bench at 4K tokens; the device's peak memory checked against the plan run.py printed (at most
    HEADLINE_MARGIN over it): headline.txt, and the run folder's report.md and results.json beside it.
-   --small: Qwen3-0.6B's shape (3 and 4 layers), the bench at 256 tokens (the CPU's
+   --small: Qwen3-0.6B's shape (3 and 4 layers), 4 x 64 calibration tokens, one item a task, the bench at
+   128 tokens (the CPU's
    peak is reported, not checked: the process's resident memory counts the tokenizer and data too).
    --only headline runs this step alone.
 Random weights: times, not accuracy. The first line of each file names the device.
@@ -87,12 +88,12 @@ def headline_check(device, out, small):
                 shutil.copy(shared / "tokenizers" / "qwen3" / f, folder / f)
         folders.append(folder)
     calib = shared / "data" / "calib" / "wikitext-2"
-    length, context = (128, 256) if small else (256, 4096)
+    seqs, length, context, items = (4, 64, 128, 1) if small else (16, 256, 4096, 2)
     run_dir = out / "headline-run"
     argv = ["--source", str(folders[0]), "--target", str(folders[1]), "--out", str(run_dir), "--device", device,
-            "--data-dir", str(shared / "data"), "--calib", str(calib), "--calib-seqs", "16", "--calib-len", str(length),
-            "--tasks", "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k,coqa", "--limit", "2", "--task-limit", "coqa=1",
-            "--bench-lengths", str(context)]
+            "--data-dir", str(shared / "data"), "--calib", str(calib), "--calib-seqs", str(seqs), "--calib-len",
+            str(length), "--tasks", "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k,coqa", "--limit", str(items),
+            "--task-limit", "coqa=1", "--bench-lengths", str(context)]
     reset_peak_memory(device)
     t0 = time.perf_counter()
     results = pipeline.main(argv)

@@ -22,7 +22,7 @@ from kvt.mapper import calibrate
 from kvt.plan import disk_plan, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-MARGIN, SLACK, TIGHT = 0.05, 4 * 2**20, 0.5
+MARGIN, SLACK, TIGHT = 0.05, 4 * 2**20, 0.4
 
 
 def rss():
