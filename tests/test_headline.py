@@ -6,9 +6,15 @@ before, after a warm-up run that loads every library and a malloc_trim that retu
 with large blocks mapped on their own (mallopt) so that resident memory follows live tensors, as CUDA's
 max_memory_allocated does: RSS counts pages touched, so it sits at or below
 what was allocated, and the plan (kvt/plan.py) must bound it: measured <= plan * (1 + MARGIN) + SLACK.
-The plan must also not be loose: measured >= plan * TIGHT."""
+The plan must also not be loose: measured >= plan * TIGHT. Each measurement runs in a fresh Python
+(`isolated`): resident memory is a figure of the whole process, and the tests run before it in the same
+process leave the heap in a state that moves it by tens of MiB."""
 import ctypes
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,8 +44,18 @@ def scaled(width=256, heads=4, kv_heads=2, layers=3, vocab=512):
 
 
 LIBC = ctypes.CDLL("libc.so.6")
-LIBC.mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD: every block of 64 KiB or more is mapped and unmapped on its
-                              # own, so resident memory follows live tensors (no heap that keeps freed ones)
+
+
+def isolated(call):
+    """Run `call` (Python text calling this module's functions) in a fresh, one-thread Python, with large
+    blocks mapped on their own (M_MMAP_THRESHOLD 64 KiB: resident memory follows live tensors, no heap
+    keeps freed ones); an assertion there fails the test here, with its message."""
+    here = Path(__file__).resolve().parent
+    code = f"import torch; torch.set_num_threads(1); import test_headline as t; t.LIBC.mallopt(-3, 64 * 1024); t.{call}"
+    p = subprocess.run([sys.executable, "-c", code], cwd=here.parent, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)]),
+                            "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.stdout
 
 
 def measured(fn):
@@ -73,18 +89,22 @@ def test_plan_bounds_calibration(scope):
     """Guards: a resident tensor the plan leaves out (the fitted W kept on the device in float64, the
     ridge fit's eigendecomposition temporaries, the float32 products held on a CPU), or a plan so loose
     it says nothing."""
-    calibration_bound(scope, scaled(layers=3), scaled(layers=4))
+    isolated(f"calibration_bound({scope!r}, t.scaled(layers=3), t.scaled(layers=4))")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scope", ["head", "layer"])
 def test_plan_bounds_calibration_at_qwen3_width(scope):
     """The same at Qwen3-0.6B's full width (8 KV heads of 128: 1,024 features per layer), 3 and 4 layers."""
-    calibration_bound(scope, scaled(1024, 16, 8, 3), scaled(1024, 16, 8, 4))
+    isolated(f"calibration_bound({scope!r}, t.scaled(1024, 16, 8, 3), t.scaled(1024, 16, 8, 4))")
 
 
 def test_plan_bounds_the_bench():
     """Guards: the bench's caches both ways, its mappers or its copy buffers left out of the plan."""
+    isolated("bench_bound()")
+
+
+def bench_bound():
     s, t = scaled(layers=3), scaled(layers=4)
     small, large = kvt.build_model(s, seed=0), kvt.build_model(t, seed=1)
     T = 512
@@ -100,6 +120,10 @@ def test_plan_bounds_a_ridge_fit():
     and 2 layers holds what plan.ridge_bytes counts: on a GPU beside a pass's statistics it is what
     tips the last groups over (about 4 GiB at Qwen3-32B's layer width). Guards: a count that leaves out
     eigh's matrices or the selections' intermediates."""
+    isolated("ridge_fit_bound()")
+
+
+def ridge_fit_bound():
     from kvt import ridge
     from kvt.plan import ridge_bytes
     from kvt.stats import Stats, Sums
