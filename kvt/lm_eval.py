@@ -287,9 +287,14 @@ def main(argv=None):
     cli_evaluate()
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """main(), with a problem the user can fix as one line `kvt: ...` and exit status 2 (kvt/cli.py)."""
     try:
-        main()
+        main(argv)
     except KvtError as e:
         print(f"kvt: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

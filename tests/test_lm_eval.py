@@ -20,6 +20,7 @@ pytest.importorskip("accelerate")          # the harness's hf model needs it
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lm_eval  # noqa: E402
+from lm_eval.loggers import EvaluationTracker  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
@@ -29,7 +30,7 @@ from kvt import tasks as T  # noqa: E402
 from kvt import toy  # noqa: E402
 from kvt.config import KvtError  # noqa: E402
 from kvt.data import calibration_sequences  # noqa: E402
-from kvt.lm_eval import KvtLM, main, retention  # noqa: E402
+from kvt.lm_eval import KvtLM, cli, main, retention  # noqa: E402
 from kvt.mapper import calibrate, save_mapper  # noqa: E402
 
 TOY = ROOT / "weights"
@@ -83,7 +84,7 @@ def harness_tasks(tmp_path_factory):
     docs = toy.corpus(9, seed=5)
     write_task(folder, ROLL, "toy_roll", [{"text": "\n".join(docs[i:i + 3])} for i in (0, 3, 6)])
     write_task(folder, GEN, "toy_gen", [{"id": i.id, "context": i.context, "answer": i.gold} for i in gen])
-    return folder, TaskManager(include_path=str(folder)), {"toy_mc": mc, "toy_gen": gen}
+    return folder, TaskManager(include_path=str(folder), include_defaults=False), {"toy_mc": mc, "toy_gen": gen}
 
 
 def run(lm, harness_tasks, names=("toy_mc", "toy_roll", "toy_gen")):
@@ -158,25 +159,30 @@ def test_transfer_equals_kvt_records_and_batch_sizes_agree(harness_tasks, toy_pa
 
 def test_exact_pair_keeps_everything_through_the_command(harness_tasks, tiny_pair, tmp_path, capsys):
     """The command end to end on an exact pair (a model and its function-preserving twin): `python -m
-    kvt.lm_eval` writes the harness's results and samples under target and transfer, and `retention`
-    pairs them by doc id: retention 100%, the same accuracy. Guards pairing by position instead of doc
-    id, and a folder read under the wrong condition."""
-    folder = harness_tasks[0]
+    kvt.lm_eval` writes the harness's results and samples under transfer, the harness's tracker the same
+    under target, and `retention` pairs them by doc id: retention 100%, the same accuracy. Guards pairing
+    by position instead of doc id, and a folder read under the wrong condition."""
+    folder, tm, _ = harness_tasks
     src, tgt = tiny_pair / "source", tiny_pair / "twin"
     s, t = kvt.load_model(src), kvt.load_model(tgt)
     ids = torch.randint(0, s.config.vocab_size, (14, 32), generator=torch.Generator().manual_seed(0))
     mapper, _ = calibrate(s, t, calib_of(ids), scope="head", k=1, lam=1e-9, progress=False)
     save_mapper(mapper, tmp_path / "m.safetensors")
-    for cond in ("target", "transfer"):
-        main(["--model_args", f"source={src},target={tgt},condition={cond},mapper={tmp_path / 'm.safetensors'}",
-              "--tasks", "toy_mc", "--include_path", str(folder), "--device", "cpu", "--batch_size", "2",
-              "--output_path", str(tmp_path / cond), "--log_samples"])
+    main(["--model_args", f"source={src},target={tgt},condition=transfer,mapper={tmp_path / 'm.safetensors'}",
+          "--tasks", "toy_mc", "--include_path", str(folder), "--device", "cpu", "--batch_size", "2",
+          "--output_path", str(tmp_path / "transfer"), "--log_samples"])
     assert list((tmp_path / "transfer").rglob("samples_toy_mc_*.jsonl")), "the harness wrote no samples file"
-    summary, _ = retention([str(tmp_path / "transfer"), str(tmp_path / "target")])  # order does not matter
+    tracker = EvaluationTracker(output_path=str(tmp_path / "target"))
+    res = lm_eval.simple_evaluate(model=KvtLM(target=str(tgt), device="cpu"), tasks=["toy_mc"], task_manager=tm,
+                                  log_samples=True, evaluation_tracker=tracker, bootstrap_iters=0)
+    samples = res.pop("samples")
+    tracker.save_results_aggregated(results=res, samples=samples)
+    tracker.save_results_samples(task_name="toy_mc", samples=samples["toy_mc"])
+    summary, _ = retention([str(tmp_path / "transfer"), f"target={tmp_path / 'target'}"])  # any order
     s = summary["lm_eval:toy_mc"]
     assert s["target"]["n"] == s["transfer"]["n"] == 8 and s["retention"]["acc"]["n"] == 8
     assert s["target"]["acc"] > 0 and s["retention"]["acc"]["ratio"] == 1.0
-    main(["retention", str(tmp_path / "target"), str(tmp_path / "transfer")])
+    main(["retention", f"target={tmp_path / 'target'}", str(tmp_path / "transfer")])
     assert "| lm_eval:toy_mc | acc |" in capsys.readouterr().out
 
 
@@ -195,18 +201,19 @@ def test_retention_pairs_by_doc_id(tmp_path):
         retention([str(tmp_path / "target")])
 
 
-def test_bad_model_args_are_one_line(tmp_path):
-    """A condition kvt lacks, a missing target and sampling are refused with KvtError, which the command
-    prints as one line `kvt: ...` with exit status 2."""
+def test_bad_model_args_are_one_line(tmp_path, capsys):
+    """A condition kvt lacks, a missing target and an automatic batch size are refused with KvtError, which
+    the command prints as one line `kvt: ...` with exit status 2."""
     with pytest.raises(KvtError, match="condition=bogus"):
         KvtLM(target=str(TOY / "toy-m"), condition="bogus")
     with pytest.raises(KvtError, match="need source"):
         KvtLM(condition="transfer", target=str(TOY / "toy-m"))
     with pytest.raises(KvtError, match="batch_size"):
         KvtLM(target=str(TOY / "toy-m"), batch_size="auto")
-    r = subprocess.run([sys.executable, "-m", "kvt.lm_eval", "retention", str(tmp_path), str(tmp_path)],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and r.stderr.startswith("kvt: no results_") and len(r.stderr.splitlines()) == 1, r.stderr
+    with pytest.raises(SystemExit) as e:
+        cli(["retention", str(tmp_path), str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("kvt: no results_") and len(err.splitlines()) == 1, err
 
 
 # ---- slow: the real checkpoint, and the lowest declared transformers ------------------------------------
@@ -237,7 +244,7 @@ metric_list: [{{metric: acc}}]
 """)
     text = (DATA / "calib" / "wikitext-2" / "test.txt").read_text()[:6000]
     write_task(tmp_path, ROLL.replace("toy_roll", "wiki_local"), "wiki_local", [{"text": text[:3000]}, {"text": text[3000:]}])
-    tm = TaskManager(include_path=str(tmp_path))
+    tm = TaskManager(include_path=str(tmp_path), include_defaults=False)
     names = ("mmlu_cont_local", "wiki_local")
     hf = HFLM(pretrained=str(SMOLLM2), dtype="float32", device="cpu", max_length=256, batch_size=4)
     ours, _ = run(KvtLM(target=str(SMOLLM2), condition="target", max_length=256, device="cpu", batch_size=4),
