@@ -187,9 +187,10 @@ def test_exact_pair_keeps_everything_through_the_command(harness_tasks, tiny_pai
 
 
 def test_retention_pairs_by_doc_id(tmp_path):
-    """Two hand-written harness folders whose samples list the same docs in different orders: retention
-    pairs doc 0 with doc 0. Guards pairing by line order (which would give 0% here, not 50%)."""
-    for cond, acc in (("target", {0: 1.0, 1: 1.0}), ("transfer", {1: 1.0, 0: 0.0})):
+    """Two hand-written harness folders: the transfer run lacks doc 1 and lists its docs in another order.
+    Retention pairs doc 0 with doc 0 on the docs both have (0 and 2): 50%. Guards pairing by line order
+    (which gives 100% here)."""
+    for cond, acc in (("target", {0: 1.0, 1: 0.0, 2: 1.0}), ("transfer", {2: 0.0, 0: 1.0})):
         d = tmp_path / cond / "model"
         d.mkdir(parents=True)
         (d / "results_2026.json").write_text(json.dumps({"config": {"model": "kvt", "model_args": f"condition={cond}"}}))
