@@ -22,7 +22,8 @@ model_args (comma-separated key=value, as for any harness model):
                      transfer with a recompute budget (kvt.handoff.Recompute; kvt run's options)
     mapper           a saved mapper file; without it, the mapper `kvt run` would make with its defaults is
                      calibrated (or reused) in out=DIR (default runs/<source>_<target>, as kvt run's)
-    calib_seqs, calib_len, data_dir   that calibration's size and data (kvt run's --calib-seqs, ...)
+    calib, calib_seqs, calib_len, data_dir   that calibration's text (a file or folder), size and data folder
+                     (kvt run's --calib, --calib-seqs, --calib-len, --data-dir)
     dtype, device, batch_size, max_length   as the harness's hf model's
 How each request is answered, with kvt's own scoring (kvt/scoring.py, kvt/evals.py):
     loglikelihood          (context, continuation) pairs with one context are scored from one prefill of
@@ -63,20 +64,21 @@ except ImportError as e:  # an optional extra, never a requirement of kvt itself
 CONDITIONS = ("target", "source", "transfer")
 
 
-def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib_seqs=None, calib_len=None, data_dir=None):
+def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, calib_seqs=None, calib_len=None,
+               data_dir=None):
     """The mapper `kvt run --source SRC --target TGT --out OUT` makes with its defaults: reused from OUT
     when it is there, else calibrated and saved there (pipeline.get_mapper)."""
     args = pipeline.parse_args(["--source", str(src_dir), "--target", str(tgt_dir), "--out", str(out)]
                                + (["--data-dir", str(data_dir)] if data_dir else []))
     is_toy = Path(src_dir).name.startswith("toy-")  # the defaults of pipeline.run, for a pair
-    args.calib = [] if is_toy else [args.data_dir / c for c in pipeline.REAL_CALIB]
+    args.calib = [Path(calib)] if calib else [] if is_toy else [args.data_dir / c for c in pipeline.REAL_CALIB]
     args.calib_seqs = calib_seqs or (200 if is_toy else 500)
     args.calib_len = calib_len or (256 if is_toy else 1024)
-    calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed,
-                                  documents=toy.corpus(2000, seed=99) if is_toy else None)
-    skey = pipeline.stats_key(args, Path(src_dir), Path(tgt_dir), calib)
+    seqs = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed,
+                                 documents=toy.corpus(2000, seed=99) if is_toy and not calib else None)
+    skey = pipeline.stats_key(args, Path(src_dir), Path(tgt_dir), seqs)
     Path(out).mkdir(parents=True, exist_ok=True)
-    mapper, _ = pipeline.get_mapper(args, source, target, tok, calib, Path(out), skey, dtype)
+    mapper, _ = pipeline.get_mapper(args, source, target, tok, seqs, Path(out), skey, dtype)
     return mapper
 
 
@@ -86,7 +88,7 @@ class KvtLM(LM):
 
     def __init__(self, source=None, target=None, pair=None, weights=None, condition="target", mapper=None, out=None,
                  recompute_last=0, recompute_first=0, recompute_frac=0.0, recompute_by="attention",
-                 calib_seqs=None, calib_len=None, data_dir=None, dtype=None, device=None, batch_size=1,
+                 calib=None, calib_seqs=None, calib_len=None, data_dir=None, dtype=None, device=None, batch_size=1,
                  max_length=None, rolling_context=1, max_batch_size=None):
         super().__init__()
         if condition not in CONDITIONS:
@@ -121,8 +123,8 @@ class KvtLM(LM):
                 m = load_mapper(mapper, src_model.config, tgt_model.config, self.tok.fingerprint())
             else:
                 out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
-                m = mapper_for(source, target, src_model, tgt_model, self.tok, out, dtype, calib_seqs, calib_len,
-                               data_dir)
+                m = mapper_for(source, target, src_model, tgt_model, self.tok, out, dtype, calib, calib_seqs,
+                               calib_len, data_dir)
             m = m.to(dtype=dtype).place(layer_devices(tgt_model))
             budget = Recompute(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by)
             self.cond = evals.Condition(tgt_model, evals.transfer(src_model, tgt_model, m, budget))
