@@ -135,8 +135,9 @@ def test_target_equals_the_harness_hf_model(harness_tasks, one_thread):
 def test_transfer_equals_kvt_records_and_batch_sizes_agree(harness_tasks, toy_pair):
     """Under `transfer` (toy-s -> toy-m, a saved mapper), every choice's loglikelihood equals kvt's own
     evaluation record of the same item (kvt.evals.evaluate, its transfer condition) and every generation
-    its output; batch sizes 1 and 3 give the same numbers; and transfer is not the target's own prefill.
-    Guards a model that ignores the mapper or the source, and scores that depend on the batch."""
+    its output; batch sizes 1 and 3 give the same numbers; transfer is not the target's own prefill, and
+    is again once every slot is recomputed (recompute_frac=1). Guards a model that ignores the mapper, the
+    source or the recompute budget, and scores that depend on the batch."""
     source, target, tok, mapper, path = toy_pair
     make = lambda bs: KvtLM(source=str(TOY / "toy-s"), target=str(TOY / "toy-m"), condition="transfer",  # noqa: E731
                             mapper=str(path), batch_size=bs, device="cpu")
@@ -155,6 +156,11 @@ def test_transfer_equals_kvt_records_and_batch_sizes_agree(harness_tasks, toy_pa
     assert max_err(lls(one["toy_mc"]), own) > 1e-3, "transfer gave the target's own loglikelihoods"
     assert [r[0][0] for r in one["toy_gen"]] == [recs[("toy_recall_gen", "transfer", d["id"])]["output"]
                                                  for d in docs["toy_gen"]]
+    # a recompute budget of every slot is the target's own prefill again
+    full, _ = run(KvtLM(source=str(TOY / "toy-s"), target=str(TOY / "toy-m"), condition="transfer", mapper=str(path),
+                        recompute_frac=1.0, recompute_by="suffix", device="cpu"), harness_tasks, ("toy_mc",))
+    err = max_err(lls(full["toy_mc"]), own)
+    assert err < 1e-4, f"transfer recomputing every slot vs the target's own prefill: {err:.2e}"
 
 
 def test_exact_pair_keeps_everything_through_the_command(harness_tasks, tiny_pair, tmp_path, capsys):
