@@ -89,7 +89,7 @@ class KvtLM(LM):
     def __init__(self, source=None, target=None, pair=None, weights=None, condition="target", mapper=None, out=None,
                  recompute_last=0, recompute_first=0, recompute_frac=0.0, recompute_by="attention",
                  calib=None, calib_seqs=None, calib_len=None, data_dir=None, dtype=None, device=None, batch_size=1,
-                 max_length=None, rolling_context=1, max_batch_size=None):
+                 max_length=None, rolling_context=1, max_batch_size=None):  # max_batch_size: the harness's, unused
         super().__init__()
         if condition not in CONDITIONS:
             raise KvtError(f"condition={condition}: use one of {', '.join(CONDITIONS)}")
@@ -107,7 +107,10 @@ class KvtLM(LM):
             raise KvtError("batch_size and rolling_context must be at least 1")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         pipeline.check_devices([device])
-        dtype = getattr(torch, dtype or ("bfloat16" if str(device).startswith("cuda") else "float32"))
+        dtype = dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise KvtError(f"dtype={dtype}: use float32, bfloat16 or float16")
+        dtype = getattr(torch, dtype)
         self.batch_size, self.rolling_context = batch_size, int(rolling_context)
         self._device = torch.device(device)
         self.tok = kvt.load_tokenizer(target if condition != "source" else source)

@@ -209,7 +209,7 @@ def test_retention_pairs_by_doc_id(tmp_path):
 
 
 def test_bad_model_args_are_one_line(tmp_path, capsys):
-    """A condition kvt lacks, a missing target and an automatic batch size are refused with KvtError, which
+    """A condition kvt lacks, a missing target, an automatic batch size or dtype are refused with KvtError, which
     the command prints as one line `kvt: ...` with exit status 2."""
     with pytest.raises(KvtError, match="condition=bogus"):
         KvtLM(target=str(TOY / "toy-m"), condition="bogus")
@@ -217,6 +217,8 @@ def test_bad_model_args_are_one_line(tmp_path, capsys):
         KvtLM(condition="transfer", target=str(TOY / "toy-m"))
     with pytest.raises(KvtError, match="batch_size"):
         KvtLM(target=str(TOY / "toy-m"), batch_size="auto")
+    with pytest.raises(KvtError, match="dtype=auto"):
+        KvtLM(target=str(TOY / "toy-m"), dtype="auto")
     with pytest.raises(SystemExit) as e:
         cli(["retention", str(tmp_path), str(tmp_path)])
     err = capsys.readouterr().err
