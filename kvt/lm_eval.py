@@ -24,7 +24,7 @@ model_args (comma-separated key=value, as for any harness model):
                      calibrated (or reused) in out=DIR (default runs/<source>_<target>, as kvt run's)
     calib, calib_seqs, calib_len, data_dir   that calibration's text (a file or folder), size and data folder
                      (kvt run's --calib, --calib-seqs, --calib-len, --data-dir)
-    dtype, device, batch_size, max_length   as the harness's hf model's
+    dtype, device, max_length   as the harness's hf model's; the batch size is the harness's --batch_size
 How each request is answered, with kvt's own scoring (kvt/scoring.py, kvt/evals.py):
     loglikelihood          (context, continuation) pairs with one context are scored from one prefill of
                            it (batch_size continuations at a time), tokenized as the harness does
