@@ -1,7 +1,7 @@
 """kvt inside lm-evaluation-harness: any harness task under one of kvt's conditions, and retention from the
 harness's own output folders.
 
-    pip install 'kvt[lmeval]'          # lm-eval >=0.4.13,<0.5 (tested: 0.4.13)
+    pip install 'kvt[lmeval]'          # lm-eval >=0.4.10,<0.5 (tested: 0.4.10, 0.4.13)
     python -m kvt.lm_eval --model_args source=weights/toy-s,target=weights/toy-m,condition=transfer \\
         --tasks TASK --output_path out/transfer --log_samples          # the harness's own arguments
     python -m kvt.lm_eval retention out/target out/transfer [out/source]

@@ -263,19 +263,36 @@ metric_list: [{{metric: acc}}]
         assert err < 1e-3, f"{task}: max |loglikelihood difference| {err:.2e}"
 
 
-@pytest.mark.slow
-def test_hf_interop_on_the_lowest_declared_transformers(tmp_path):
-    """kvt.hf's tests on transformers 5.0.0, the lowest version kvt[hf] declares (the default run tests the
-    installed one), in a virtual environment that shares this one's torch: guards reading the output's
-    cache under one name only (5.0 calls it past_key_values, 5.24 cache). Needs PyPI; about 2 minutes."""
+def second_venv(tmp_path, requirement):
+    """The python of a virtual environment that shares this one's packages (torch above all) but has
+    `requirement` installed over them (from PyPI)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = venv / "bin" / "python"
-    pip = subprocess.run([py, "-m", "pip", "install", "-q", "transformers==5.0.0"], capture_output=True, text=True)
+    pip = subprocess.run([py, "-m", "pip", "install", "-q", requirement], capture_output=True, text=True)
     assert pip.returncode == 0, pip.stderr[-2000:]
-    version = subprocess.run([py, "-c", "import transformers; print(transformers.__version__)"], capture_output=True,
-                             text=True).stdout.strip()
-    assert version == "5.0.0", version
-    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hf.py"], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return py
+
+
+def pytest_in(py, *args):
+    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_hf_interop_on_the_lowest_declared_transformers(tmp_path):
+    """kvt.hf's tests on transformers 5.0.0, the lowest version kvt[hf] declares (the default run tests the
+    installed one): guards reading the output's cache under one name only (5.0 calls it past_key_values,
+    5.24 cache) and handing generate() position_ids (5.0 reuses them unchanged at every step). Needs PyPI;
+    about 5 minutes on 2 shared cores."""
+    py = second_venv(tmp_path, "transformers==5.0.0")
+    pytest_in(py, "tests/test_hf.py")
+
+
+@pytest.mark.slow
+def test_lm_eval_on_the_lowest_declared_harness(tmp_path):
+    """This file's default tests on lm-eval 0.4.10, the lowest version kvt[lmeval] declares (0.4.8 does not
+    import beside transformers 5). Needs PyPI; about 3 minutes on 2 shared cores."""
+    py = second_venv(tmp_path, "lm-eval==0.4.10")
+    pytest_in(py, "tests/test_lm_eval.py", "-m", "not slow")
