@@ -233,7 +233,7 @@ def read_samples(folder):
                 v = s.get(m)
                 if m in ROLLING:
                     rec["ll"], rec["bytes" if m != "word_perplexity" else "words"] = v[0], v[1]
-                    rec[m] = None
+                    rec[m] = None                                     # named, computed from ll and the length
                 elif m not in NOT_MEANS and isinstance(v, (int, float, bool)):
                     rec[m if filt == "none" else f"{m},{filt}"] = float(v)
     return out, config
@@ -266,6 +266,8 @@ def retention(folders):
         for task, docs in samples.items():
             metrics = sorted({m for r in docs.values() for m in r if m not in ("ll", "words", "bytes")})
             rolling = [m for m in ROLLING if m in metrics]
+            if not metrics:                                           # only metrics that are not means
+                continue
             kind = "loglikelihood_rolling" if rolling else "generate_until"   # generate_until: any metric names
             tasks.register(tasks.Task(f"lm_eval:{task}", lambda: [], kind, tuple(rolling or metrics)))
             for doc_id, r in docs.items():
