@@ -239,11 +239,15 @@ def read_samples(folder):
     return out, config
 
 
+def model_args(config):
+    """A harness run's model_args as a dict (results files hold a dict or the command line's string)."""
+    args = config.get("model_args") or {}
+    return dict(kv.split("=", 1) for kv in args.split(",") if "=" in kv) if isinstance(args, str) else args
+
+
 def condition_of(config, folder):
     """The kvt condition named in a harness run's model_args (a non-kvt model, e.g. hf, is a target)."""
-    args = config.get("model_args", "")
-    if isinstance(args, str):
-        args = dict(kv.split("=", 1) for kv in args.split(",") if "=" in kv)
+    args = model_args(config)
     if config.get("model") not in (None, "kvt"):
         return "target"
     if args.get("condition", "target") not in CONDITIONS:
@@ -254,15 +258,16 @@ def condition_of(config, folder):
 def retention(folders):
     """kvt's summary (kvt.summary.summarize) of harness output folders, one per condition, item-paired by
     the harness's doc ids; folders: paths, or NAME=PATH to name a folder's condition. Each harness task is
-    registered as a kvt task lm_eval:<task> with the per-item metrics its samples carry."""
-    records, seen = [], {}
+    registered as a kvt task lm_eval:<task> with the per-item metrics its samples carry. Returns summarize's
+    and average_retention's results and the pair's names [source, target] (from the transfer run)."""
+    records, seen, configs = [], {}, {}
     for spec in folders:
         name, path = spec.split("=", 1) if "=" in spec else ("", spec)
         samples, config = read_samples(path)
         name = name or condition_of(config, path)
         if name in seen:
             raise KvtError(f"{path} and {seen[name]} are both {name}; name them, e.g. target={path}")
-        seen[name] = path
+        seen[name], configs[name] = path, config
         for task, docs in samples.items():
             metrics = sorted({m for r in docs.values() for m in r if m not in ("ll", "words", "bytes")})
             rolling = [m for m in ROLLING if m in metrics]
@@ -275,7 +280,8 @@ def retention(folders):
     if "target" not in seen or "transfer" not in seen:
         raise KvtError(f"retention needs a target and a transfer folder (have {', '.join(seen) or 'none'}); "
                        "name them, e.g. target=DIR transfer=DIR")
-    return summarize(records), average_retention(records)
+    pair = [Path(str(model_args(configs["transfer"]).get(k, k))).name for k in ("source", "target")]
+    return summarize(records), average_retention(records), pair
 
 
 def main(argv=None):
@@ -284,8 +290,8 @@ def main(argv=None):
         if len(argv) < 3:
             raise KvtError("usage: python -m kvt.lm_eval retention TARGET_DIR TRANSFER_DIR [SOURCE_DIR] "
                            "(or NAME=DIR each)")
-        summary, average = retention(argv[1:])
-        print(pipeline.format_summary(summary, average, "source", "target"))
+        summary, average, (src, tgt) = retention(argv[1:])
+        print(pipeline.format_summary(summary, average, src, tgt))
         return summary
     from lm_eval.__main__ import cli_evaluate                          # the harness's own command line
     if not any(a == "--model" or a.startswith("--model=") for a in argv):

@@ -183,7 +183,8 @@ def test_exact_pair_keeps_everything_through_the_command(harness_tasks, tiny_pai
     samples = res.pop("samples")
     tracker.save_results_aggregated(results=res, samples=samples)
     tracker.save_results_samples(task_name="toy_mc", samples=samples["toy_mc"])
-    summary, _ = retention([str(tmp_path / "transfer"), f"target={tmp_path / 'target'}"])  # any order
+    summary, _, pair = retention([str(tmp_path / "transfer"), f"target={tmp_path / 'target'}"])  # any order
+    assert pair == ["source", "twin"]
     s = summary["lm_eval:toy_mc"]
     assert s["target"]["n"] == s["transfer"]["n"] == 8 and s["retention"]["acc"]["n"] == 8
     assert s["target"]["acc"] > 0 and s["retention"]["acc"]["ratio"] == 1.0
@@ -201,7 +202,7 @@ def test_retention_pairs_by_doc_id(tmp_path):
         (d / "results_2026.json").write_text(json.dumps({"config": {"model": "kvt", "model_args": f"condition={cond}"}}))
         (d / "samples_t_2026.jsonl").write_text("".join(json.dumps(
             {"doc_id": i, "filter": "none", "metrics": ["acc"], "acc": a}) + "\n" for i, a in acc.items()))
-    summary, _ = retention([str(tmp_path / "target"), str(tmp_path / "transfer")])
+    summary, _, _ = retention([str(tmp_path / "target"), str(tmp_path / "transfer")])
     assert summary["lm_eval:t"]["retention"]["acc"]["ratio"] == 0.5
     with pytest.raises(KvtError, match="target and a transfer"):
         retention([str(tmp_path / "target")])
