@@ -296,8 +296,11 @@ def main(argv=None):
     from lm_eval.__main__ import cli_evaluate                          # the harness's own command line
     if not any(a == "--model" or a.startswith("--model=") for a in argv):
         argv = ["--model", "kvt", *argv]
-    sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    saved, sys.argv = sys.argv, ["lm_eval", *argv]                    # the harness parses sys.argv
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
 
 
 def cli(argv=None):
