@@ -16,9 +16,10 @@ Both libraries store the same thing: per layer post-RoPE keys and values (B, Hkv
 does not record positions or padding (transformers keeps them in position_ids and attention_mask), so
 to_kvt takes them as arguments; to_hf drops them.
 
-The handoff protocol is kvt's (handoff.py): the target runs the last prompt token itself. transformers
-5 has no cache_position: generate() counts the slots already in the cache (T - 1) and runs only the
-input ids after them (the last one), at position_ids counted from the attention mask as kvt counts.
+The handoff protocol is kvt's (handoff.py): the target runs the last prompt token itself. generate()
+counts the slots already in the cache (T - 1) and runs only the input ids after them (the last one), at
+positions it counts from the attention mask, as kvt counts them. (Passing position_ids instead would
+break transformers 5.0, whose generate() reuses them unchanged at every step.)
 transformers is imported here only, and only when this file is.
 """
 import torch
@@ -30,8 +31,13 @@ from kvt.model import check_ids
 
 try:
     from transformers import DynamicCache
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as e:  # a test and interop dependency, never a requirement of kvt itself
     raise KvtError(f"kvt.hf needs transformers ({e}); pip install transformers") from None
+
+# The name of the cache in a model's output and in generate()'s keywords: transformers 5.0 says
+# past_key_values, later 5.x releases (5.24) say cache (past_key_values there is deprecated). Tested: 5.0, 5.24.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def to_kvt(dynamic_cache, positions=None, mask=None):
@@ -80,7 +86,7 @@ def transfer(source, target, mapper, input_ids, attention_mask=None):
     mapper maps its cache to the target's, and the target is left to run the last prompt token itself.
 
     attention_mask (B, T), 0 = left padding, or None. Returns generate()'s keyword arguments:
-    {"cache": DynamicCache of T - 1 slots, "attention_mask": (B, T) long, "position_ids": (B, T) long}, so
+    {CACHE: DynamicCache of T - 1 slots, "attention_mask": (B, T) long}, so
     target.generate(input_ids, **state, ...) runs input_ids[:, -1] on the mapped cache and gives the
     tokens kvt's handoff + kvt.generate give. The cache is used once: generate appends to it."""
     if not isinstance(mapper, Mapper):
@@ -94,14 +100,14 @@ def transfer(source, target, mapper, input_ids, attention_mask=None):
     if not mask[:, -1].all():
         raise KvtError("attention_mask pads on the right (a row ends in padding); tokenize with padding_side='left': "
                        "the target runs every row's last prompt token")
-    pos = (mask.long().cumsum(1) - 1).clamp(min=0)                 # (B, T) pads at 0, as kvt and generate() count
-    state = {"attention_mask": mask.long().to(target.device), "position_ids": pos.to(target.device)}
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)                 # (B, T) as kvt and generate() count (pads: any)
+    state = {"attention_mask": mask.long().to(target.device)}
     if T == 1:                                                     # nothing to hand over
-        return {"cache": DynamicCache(), **state}
+        return {CACHE: DynamicCache(), **state}
     src = source(input_ids[:, :-1].to(source.device), use_cache=True, logits_to_keep=1,
                  attention_mask=None if attention_mask is None else mask[:, :-1].long().to(source.device),
                  position_ids=pos[:, :-1].to(source.device))
-    src_cache = to_kvt(src.cache, pos[:, :-1].to(source.device), mask[:, :-1].to(source.device))  # T - 1 slots
+    src_cache = to_kvt(getattr(src, CACHE), pos[:, :-1].to(source.device), mask[:, :-1].to(source.device))  # T - 1 slots
     devices = [next(layer.parameters()).device for layer in target.get_decoder().layers]  # each layer's cache there
     mapped = mapper.apply(src_cache, devices=devices, dtype=target.dtype)
-    return {"cache": to_hf(mapped), **state}
+    return {CACHE: to_hf(mapped), **state}

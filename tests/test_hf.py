@@ -68,13 +68,13 @@ def hf_generate(p, ids, n, mask=None):
     """transformers' greedy continuation after kvt.hf.transfer: (first-step logits (B, V), new tokens (B, n'))."""
     T = ids.shape[1]
     state = hf.transfer(p.hs, p.ht, p.mapper, ids, mask)
-    assert state["cache"].get_seq_length() == T - 1, "transfer hands over T - 1 slots; the target runs the last token"
+    assert state[hf.CACHE].get_seq_length() == T - 1, "transfer hands over T - 1 slots; the target runs the last token"
     out = p.ht.generate(ids, **state, max_new_tokens=n, do_sample=False, output_logits=True,
                         return_dict_in_generate=True, pad_token_id=0)
     new = out.sequences[:, T:]
     # each token ran once: the last prompt token, then every new one but the last (a 2D attention mask
     # shorter than the cache would silently hide any extra slots, so count them)
-    assert state["cache"].get_seq_length() == T + new.shape[1] - 1
+    assert state[hf.CACHE].get_seq_length() == T + new.shape[1] - 1
     return out.logits[0], new
 
 
@@ -95,7 +95,7 @@ def test_round_trip_is_exact(tiny):
 
     p = tiny["qwen3"]
     ids = torch.randint(0, 128, (2, 9), generator=g)
-    theirs = hf.to_kvt(p.ht(ids, use_cache=True).cache)
+    theirs = hf.to_kvt(getattr(p.ht(ids, use_cache=True), hf.CACHE))
     _, ours = p.kt(ids)
     assert torch.equal(theirs.positions, ours.positions) and torch.equal(theirs.mask, ours.mask)
     for l in range(3):
@@ -103,7 +103,7 @@ def test_round_trip_is_exact(tiny):
         assert_close(theirs.values[l], ours.values[l], f"layer {l} values", atol=1e-5)
     again = hf.to_hf(theirs)
     assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-               for a, b in zip(again.layers, p.ht(ids, use_cache=True).cache.layers))
+               for a, b in zip(again.layers, getattr(p.ht(ids, use_cache=True), hf.CACHE).layers))
 
 
 def test_toy_generate_matches_kvt_handoff(toy_pair):

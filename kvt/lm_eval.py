@@ -1,0 +1,316 @@
+"""kvt inside lm-evaluation-harness: any harness task under one of kvt's conditions, and retention from the
+harness's own output folders.
+
+    pip install 'kvt[lmeval]'          # lm-eval >=0.4.10,<0.5 (tested: 0.4.10, 0.4.13)
+    python -m kvt.lm_eval --model_args source=weights/toy-s,target=weights/toy-m,condition=transfer \\
+        --tasks TASK --output_path out/transfer --log_samples          # the harness's own arguments
+    python -m kvt.lm_eval retention out/target out/transfer [out/source]
+
+`python -m kvt.lm_eval ...` imports this file (which registers the model "kvt" with the harness) and runs
+the harness's command line with the same arguments (`--model kvt` unless another is named), so it writes
+the harness's results and samples files. From Python: `import kvt.lm_eval`, then
+lm_eval.simple_evaluate(model="kvt", model_args=...). A bare `lm_eval --model kvt` does not find kvt: the
+harness discovers models only among its own and those imported before it runs (0.4.13 reads no plugin
+entry points, and --include_path adds tasks, not models).
+
+model_args (comma-separated key=value, as for any harness model):
+    source, target   checkpoint folders; or pair=FAMILY-SRC:TGT (e.g. toy-s:m) read from weights=DIR
+    condition        target (the target's own prefill), source (the source alone), or transfer (the source
+                     prefills the context, the mapper carries its cache to the target, which runs the last
+                     context token and scores or generates the continuation; kvt.evals.transfer)
+    recompute_last, recompute_first, recompute_frac, recompute_by
+                     transfer with a recompute budget (kvt.handoff.Recompute; kvt run's options)
+    mapper           a saved mapper file; without it, the mapper `kvt run` would make with its defaults is
+                     calibrated (or reused) in out=DIR (default runs/<source>_<target>, as kvt run's)
+    calib, calib_seqs, calib_len, data_dir   that calibration's text (a file or folder), size and data folder
+                     (kvt run's --calib, --calib-seqs, --calib-len, --data-dir)
+    dtype, device, max_length   as the harness's hf model's; the batch size is the harness's --batch_size
+How each request is answered, with kvt's own scoring (kvt/scoring.py, kvt/evals.py):
+    loglikelihood          (context, continuation) pairs with one context are scored from one prefill of
+                           it (batch_size continuations at a time), tokenized as the harness does
+                           (scoring.encode_pair); the context is cut on the left to fit max_length
+    loglikelihood_rolling  the harness's rolling windows (lm_eval.utils.get_rolling_token_windows) of
+                           max_length tokens, each window's context read by the condition. The harness's
+                           windows share one token of context (rolling_context=1, its default), so a
+                           transfer changes nothing there; kvt's option rolling_context=N gives every
+                           window after the first N tokens of context, which the source reads under transfer
+    generate_until         greedy (the harness's do_sample=False), kvt.evals.generate_until, until the
+                           task's stop strings, EOS or max_gen_toks
+"""
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import kvt
+from kvt import evals, pipeline, scoring, tasks, toy
+from kvt.config import KvtError, find_weights, load_config, parse_pair
+from kvt.data import calibration_sequences, check_same_tokenizer
+from kvt.handoff import Recompute
+from kvt.mapper import load_mapper
+from kvt.model import layer_devices
+from kvt.summary import average_retention, summarize
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as e:  # an optional extra, never a requirement of kvt itself
+    raise KvtError(f"kvt.lm_eval needs lm-evaluation-harness ({e}); pip install 'kvt[lmeval]'") from None
+
+CONDITIONS = ("target", "source", "transfer")
+
+
+def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, calib_seqs=None, calib_len=None,
+               data_dir=None):
+    """The mapper `kvt run --source SRC --target TGT --out OUT` makes with its defaults: reused from OUT
+    when it is there, else calibrated and saved there (pipeline.get_mapper)."""
+    args = pipeline.parse_args(["--source", str(src_dir), "--target", str(tgt_dir), "--out", str(out)]
+                               + (["--data-dir", str(data_dir)] if data_dir else []))
+    is_toy = Path(src_dir).name.startswith("toy-")  # the defaults of pipeline.run, for a pair
+    args.calib = [Path(calib)] if calib else [] if is_toy else [args.data_dir / c for c in pipeline.REAL_CALIB]
+    args.calib_seqs = calib_seqs or (200 if is_toy else 500)
+    args.calib_len = calib_len or (256 if is_toy else 1024)
+    seqs = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed,
+                                 documents=toy.corpus(2000, seed=99) if is_toy and not calib else None)
+    skey = pipeline.stats_key(args, Path(src_dir), Path(tgt_dir), seqs)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    mapper, _ = pipeline.get_mapper(args, source, target, tok, seqs, Path(out), skey, dtype)
+    return mapper
+
+
+@register_model("kvt")
+class KvtLM(LM):
+    """An lm-evaluation-harness model answering every request under one kvt condition (the module docstring)."""
+
+    def __init__(self, source=None, target=None, pair=None, weights=None, condition="target", mapper=None, out=None,
+                 recompute_last=0, recompute_first=0, recompute_frac=0.0, recompute_by="attention",
+                 calib=None, calib_seqs=None, calib_len=None, data_dir=None, dtype=None, device=None, batch_size=1,
+                 max_length=None, rolling_context=1, max_batch_size=None):  # max_batch_size: the harness's, unused
+        super().__init__()
+        if condition not in CONDITIONS:
+            raise KvtError(f"condition={condition}: use one of {', '.join(CONDITIONS)}")
+        if pair:
+            src, tgt = parse_pair(pair)
+            source, target = find_weights(src, weights), find_weights(tgt, weights)
+        if target is None or (source is None and condition != "target"):
+            raise KvtError("model_args need source=DIR,target=DIR (or pair=FAMILY-SRC:TGT); condition=target "
+                           "needs only target")
+        try:
+            batch_size = int(str(batch_size).split(":")[0])
+        except ValueError:
+            raise KvtError(f"batch_size={batch_size}: give a number (kvt has no automatic batch size)") from None
+        if batch_size < 1 or int(rolling_context) < 1:
+            raise KvtError("batch_size and rolling_context must be at least 1")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        pipeline.check_devices([device])
+        dtype = dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise KvtError(f"dtype={dtype}: use float32, bfloat16 or float16")
+        dtype = getattr(torch, dtype)
+        self.batch_size, self.rolling_context = batch_size, int(rolling_context)
+        self._device = torch.device(device)
+        self.tok = kvt.load_tokenizer(target if condition != "source" else source)
+        load = lambda d: kvt.load_model(d, dtype, device=device)  # noqa: E731
+        if condition == "target":
+            self.cond = evals.Condition(load(target))
+        elif condition == "source":
+            self.cond = evals.Condition(load(source))
+        else:
+            check_same_tokenizer(kvt.load_tokenizer(source), self.tok)
+            src_model, tgt_model = load(source), load(target)
+            if mapper:
+                m = load_mapper(mapper, src_model.config, tgt_model.config, self.tok.fingerprint())
+            else:
+                out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
+                m = mapper_for(source, target, src_model, tgt_model, self.tok, out, dtype, calib, calib_seqs,
+                               calib_len, data_dir)
+            m = m.to(dtype=dtype).place(layer_devices(tgt_model))
+            budget = Recompute(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by)
+            self.cond = evals.Condition(tgt_model, evals.transfer(src_model, tgt_model, m, budget))
+        self.max_length = int(max_length or min(load_config(d).max_seq_len for d in (source, target) if d))
+
+    # ------------------------------------------------------------------------------ loglikelihood
+
+    def _pair(self, context, continuation):
+        """Token ids (context, continuation) as the harness encodes them, the context cut on the left so
+        that what the model reads (context + continuation[:-1]) fits max_length."""
+        ctx, cont = scoring.encode_pair(self.tok.encode, context, continuation, self.tok.prefix_id)
+        if len(cont) > self.max_length:
+            raise KvtError(f"a continuation of {len(cont)} tokens exceeds max_length={self.max_length}")
+        return ctx[-(self.max_length + 1 - len(cont)):], cont
+
+    def _score(self, pairs, desc="loglikelihood"):
+        """[(ll, greedy)] for (ctx ids, cont ids) pairs: each distinct context prefilled once per batch of
+        at most batch_size of its continuations (kvt.scoring.loglikelihoods)."""
+        by_ctx = defaultdict(list)                               # context ids -> indices of its requests
+        for i, (ctx, _) in enumerate(pairs):
+            by_ctx[tuple(ctx)].append(i)
+        out = [None] * len(pairs)
+        bar = tqdm(total=len(pairs), desc=desc, disable=len(pairs) < 2)
+        for ctx, idx in by_ctx.items():
+            for s in range(0, len(idx), self.batch_size):
+                chunk = idx[s:s + self.batch_size]
+                lls, greedy = scoring.loglikelihoods(self.cond.model, list(ctx), [pairs[i][1] for i in chunk],
+                                                     self.cond.prefill)
+                for i, ll, g in zip(chunk, lls, greedy):
+                    out[i] = (ll, bool(g))
+                bar.update(len(chunk))
+        bar.close()
+        return out
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        out = self._score([self._pair(*r.args) for r in requests])
+        for r, res in zip(requests, out):
+            self.cache_hook.add_partial("loglikelihood", r.args, res)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        out = []
+        for r in tqdm(requests, desc="loglikelihood_rolling", disable=disable_tqdm):
+            ids = self.tok.encode(r.args[0], special=False)          # the text's own tokens, as the harness's
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                ids, self.tok.prefix_id, self.max_length, self.rolling_context)]
+            ll = sum(ll for ll, _ in self._score(windows, "windows")) if windows else 0.0
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, ll)
+            out.append(ll)
+        return out
+
+    # ---------------------------------------------------------------------------------- generation
+
+    def generate_until(self, requests, disable_tqdm=False):
+        out = []
+        for r in tqdm(requests, desc="generate_until", disable=disable_tqdm):
+            context, kw = r.args
+            kw = dict(kw)
+            until = kw.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.pop("max_gen_toks", 256))
+            if kw.pop("do_sample", False) or float(kw.pop("temperature", 0.0) or 0.0) > 0:
+                raise KvtError("kvt generates greedily; give the task do_sample: false and temperature: 0")
+            if len(self.tok.encode(context)) + max_new > self.max_length:  # the harness would cut the context
+                raise KvtError(f"a context of {len(self.tok.encode(context))} tokens and max_gen_toks={max_new} exceed "
+                               f"max_length={self.max_length}; raise max_length (up to the models' context)")
+            text = evals.generate_until(self.cond, self.tok, context, until, max_new)
+            self.cache_hook.add_partial("generate_until", r.args, text)
+            out.append(text)
+        return out
+
+
+# ------------------------------------------------------------------------------------ retention
+
+NOT_MEANS = {"perplexity", "bleu", "chrf", "ter", "f1", "mcc", "brier_score"}  # harness metrics aggregated otherwise
+ROLLING = ("word_perplexity", "byte_perplexity", "bits_per_byte")              # kvt.summary.CORPUS, per document
+
+
+def read_samples(folder):
+    """{task: {doc_id: {metric: value}}} from the newest samples_<task>_*.jsonl under a harness output folder
+    (its model subfolders included), and the model_args string of its newest results_*.json. A metric of a
+    filter other than "none" is named metric,filter (exact_match,strict-match); a rolling task's
+    (loglikelihood, words or bytes) pairs become kvt's ll, words and bytes."""
+    folder = Path(folder)
+    results = sorted(folder.rglob("results_*.json"), key=lambda f: f.name)
+    if not results:
+        raise KvtError(f"no results_*.json under {folder}; give folders the harness wrote (--output_path) "
+                       "with --log_samples")
+    config = json.loads(results[-1].read_text()).get("config", {})
+    newest = {}
+    for f in sorted(folder.rglob("samples_*.jsonl"), key=lambda f: f.name):
+        newest[f.name[len("samples_"):].rsplit("_", 1)[0]] = f       # samples_<task>_<timestamp>.jsonl
+    if not newest:
+        raise KvtError(f"no samples_*.jsonl under {folder}; run the harness with --log_samples")
+    out = {}
+    for task, f in newest.items():
+        docs = out.setdefault(task, {})
+        for line in f.read_text().splitlines():
+            s = json.loads(line)
+            rec = docs.setdefault(s["doc_id"], {})
+            filt = s.get("filter", "none")
+            for m in s.get("metrics", []):
+                v = s.get(m)
+                if m in ROLLING:
+                    rec["ll"], rec["bytes" if m != "word_perplexity" else "words"] = v[0], v[1]
+                    rec[m] = None                                     # named, computed from ll and the length
+                elif m not in NOT_MEANS and isinstance(v, (int, float, bool)):
+                    rec[m if filt == "none" else f"{m},{filt}"] = float(v)
+    return out, config
+
+
+def model_args(config):
+    """A harness run's model_args as a dict (results files hold a dict or the command line's string)."""
+    args = config.get("model_args") or {}
+    return dict(kv.split("=", 1) for kv in args.split(",") if "=" in kv) if isinstance(args, str) else args
+
+
+def condition_of(config, folder):
+    """The kvt condition named in a harness run's model_args (a non-kvt model, e.g. hf, is a target)."""
+    args = model_args(config)
+    if config.get("model") not in (None, "kvt"):
+        return "target"
+    if args.get("condition", "target") not in CONDITIONS:
+        raise KvtError(f"{folder}: condition {args.get('condition')!r} is not one of {', '.join(CONDITIONS)}")
+    return args.get("condition", "target")
+
+
+def retention(folders):
+    """kvt's summary (kvt.summary.summarize) of harness output folders, one per condition, item-paired by
+    the harness's doc ids; folders: paths, or NAME=PATH to name a folder's condition. Each harness task is
+    registered as a kvt task lm_eval:<task> with the per-item metrics its samples carry. Returns summarize's
+    and average_retention's results and the pair's names [source, target] (from the transfer run)."""
+    records, seen, configs = [], {}, {}
+    for spec in folders:
+        name, path = spec.split("=", 1) if "=" in spec else ("", spec)
+        samples, config = read_samples(path)
+        name = name or condition_of(config, path)
+        if name in seen:
+            raise KvtError(f"{path} and {seen[name]} are both {name}; name them, e.g. target={path}")
+        seen[name], configs[name] = path, config
+        for task, docs in samples.items():
+            metrics = sorted({m for r in docs.values() for m in r if m not in ("ll", "words", "bytes")})
+            rolling = [m for m in ROLLING if m in metrics]
+            if not metrics:                                           # only metrics that are not means
+                continue
+            kind = "loglikelihood_rolling" if rolling else "generate_until"   # generate_until: any metric names
+            tasks.register(tasks.Task(f"lm_eval:{task}", lambda: [], kind, tuple(rolling or metrics)))
+            for doc_id, r in docs.items():
+                records.append({"task": f"lm_eval:{task}", "condition": name, "id": str(doc_id), **r})
+    if "target" not in seen or "transfer" not in seen:
+        raise KvtError(f"retention needs a target and a transfer folder (have {', '.join(seen) or 'none'}); "
+                       "name them, e.g. target=DIR transfer=DIR")
+    pair = [Path(str(model_args(configs["transfer"]).get(k, k))).name for k in ("source", "target")]
+    return summarize(records), average_retention(records), pair
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["retention"]:
+        if len(argv) < 3:
+            raise KvtError("usage: python -m kvt.lm_eval retention TARGET_DIR TRANSFER_DIR [SOURCE_DIR] "
+                           "(or NAME=DIR each)")
+        summary, average, (src, tgt) = retention(argv[1:])
+        print(pipeline.format_summary(summary, average, src, tgt))
+        return summary
+    from lm_eval.__main__ import cli_evaluate                          # the harness's own command line
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        argv = ["--model", "kvt", *argv]
+    saved, sys.argv = sys.argv, ["lm_eval", *argv]                    # the harness parses sys.argv
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+
+
+def cli(argv=None):
+    """main(), with a problem the user can fix as one line `kvt: ...` and exit status 2 (kvt/cli.py)."""
+    try:
+        main(argv)
+    except KvtError as e:
+        print(f"kvt: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
