@@ -129,8 +129,9 @@ def retention_png(summary, primary, path, title=""):
         rows = [summary[t].get(c) for t in tasks]
         m = primary
         value = [100 * (r[m[t]] or 0) if r else 0 for r, t in zip(rows, tasks)]
-        lo = [100 * ((r[m[t]] or 0) - (r[m[t] + "_ci"][0] or 0)) if r else 0 for r, t in zip(rows, tasks)]
-        hi = [100 * ((r[m[t] + "_ci"][1] or 0) - (r[m[t]] or 0)) if r else 0 for r, t in zip(rows, tasks)]
+        ci = [r[m[t] + "_ci"] if r else (None, None) for r, t in zip(rows, tasks)]   # None: no interval
+        lo = [max(0.0, v - 100 * a) if a is not None else 0 for v, (a, _) in zip(value, ci)]   # >= 0: an interval
+        hi = [max(0.0, 100 * b - v) if b is not None else 0 for v, (_, b) in zip(value, ci)]   # may round past it
         ax.bar([x + (i - 1.5) * width for x in range(len(tasks))], value, width, yerr=[lo, hi], capsize=2, label=c)
     ax.set_xticks(range(len(tasks)), [f"{t}\n({primary[t]})" for t in tasks], fontsize=8)
     ax.set_ylabel("accuracy (%), 95% interval")

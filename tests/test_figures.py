@@ -61,3 +61,14 @@ def test_recompute_rows_start_both_curves_at_budget_zero():
     assert [(by, f) for by, f, _, _ in rows] == [("attention", 0.0), ("attention", 0.05), ("attention", 0.25),
                                                  ("suffix", 0.0), ("suffix", 0.25)]
     assert [per["copy"] for by, _, _, per in rows if by == "suffix"] == [0.1, 0.5]
+
+
+def test_retention_png_draws_intervals_that_round_past_their_value(tmp_path):
+    """An interval bound a hair inside its value (1.0 with an upper bound of 0.9999999999) or missing
+    (None) draws as a zero-length error bar. Guards: matplotlib's "'yerr' must not contain negative values"
+    ending a finished run at its last step."""
+    pytest.importorskip("matplotlib")
+    from kvt.figures import retention_png
+    s = {"t": {"target": {"acc": 0.5, "acc_ci": [0.4, 0.6]}, "transfer": {"acc": 1.0, "acc_ci": [0.9, 0.9999999999]},
+               "source": {"acc": 0.0, "acc_ci": [None, None]}}}
+    assert retention_png(s, {"t": "acc"}, tmp_path / "r.png") and (tmp_path / "r.png").stat().st_size > 0
