@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 import kvt
-from kvt import evals, pipeline, scoring, tasks, toy
+from kvt import dist, evals, pipeline, scoring, tasks, toy
 from kvt.config import KvtError, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
@@ -106,7 +106,7 @@ class KvtLM(LM):
         if batch_size < 1 or int(rolling_context) < 1:
             raise KvtError("batch_size and rolling_context must be at least 1")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        pipeline.check_devices([device])
+        dist.check_devices([device])
         dtype = dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise KvtError(f"dtype={dtype}: use float32, bfloat16 or float16")
