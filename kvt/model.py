@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvt import rope
 from kvt.cache import Cache, append, empty
 from kvt.config import Config, KvtError, load_config, shape
-from kvt.weights import load_weights
+from kvt.weights import check_checkpoint, check_outline, load_weights
 
 
 class RMSNorm(nn.Module):
@@ -260,6 +260,9 @@ def load_model(path, dtype=torch.float32, device="cpu", context=None, devices=No
     device holds it all)."""
     dtype = as_dtype(dtype)
     cfg = load_config(path, context)
+    check_outline(cfg, path)
+    with torch.device("meta"):  # names and shapes against the safetensors headers, before anything is allocated
+        check_checkpoint(Transformer(cfg), path)
     model = _materialize(cfg, dtype, devices or [device])
     load_weights(model, path)
     return model

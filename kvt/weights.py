@@ -24,7 +24,13 @@ def shard_files(path):
         raise KvtError(f"no checkpoint folder {path}; get it with: {download_hint(path)}")
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise KvtError(f"{index} is not a JSON object ({e}); download it again with: {download_hint(path)}")
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise KvtError(f"{index} has no weight_map of tensor names to files; download it again with: "
+                           f"{download_hint(path)}")
         missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
         if missing:
             raise KvtError(f"{path}: shard {missing[0]} is missing ({len(missing)} of "
@@ -112,24 +118,52 @@ def match_tensors(model, files, path):
     return found
 
 
+def check_outline(cfg, path):
+    """The checkpoint holds the last layer config.json names, and its first query projection has the
+    shape config.json implies: read from tensor names and one header, before even an empty model is built
+    (a config of a million layers, or of a head dim of 2^40, whose RoPE table alone would not fit)."""
+    files = shard_files(path)
+    last = tuple(f"{prefix}layers.{cfg.n_layers - 1}." for prefix, _ in LAYOUTS[cfg.prefix])
+    if not any(k.startswith(last) for k in files):
+        raise KvtError(f"{path}: config.json says {cfg.n_layers} layers but {last[0]} is missing from the checkpoint; "
+                       "is it this checkpoint's config, and is the download complete?")
+    q = next((k for k in checkpoint_names(cfg, "model.layers.0.self_attn.q_proj.weight") if k in files), None)
+    stored, implied = q and tuple(_open(files[q]).get_slice(q).get_shape()), (cfg.n_heads * cfg.head_dim, cfg.dim)
+    if q and stored != implied:
+        raise KvtError(f"{path}: {q} has shape {stored}, config.json implies "
+                       f"{implied} ({cfg.n_heads} heads x head_dim {cfg.head_dim}, hidden_size {cfg.dim}); use the "
+                       "config.json that came with these weights")
+
+
+def check_checkpoint(model, path):
+    """{parameter name: (file handle, tensor name)} after checking, from the safetensors headers alone (no
+    tensor data is read), that every tensor is accounted for and has the shape config.json implies. `model`
+    may live on the meta device, so a config that does not fit its weights is refused before anything is
+    allocated."""
+    files = shard_files(path)
+    handles, out = {}, {}
+    for name, key in match_tensors(model, files, path).items():
+        if files[key] not in handles:
+            handles[files[key]] = _open(files[key])
+        try:
+            stored = tuple(handles[files[key]].get_slice(key).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise KvtError(f"{files[key]}: cannot read {key} ({e}); the file is truncated, download it again")
+        if stored != tuple(model.get_parameter(name).shape):
+            raise KvtError(f"{path}: {key} has shape {stored}, config.json implies "
+                           f"{tuple(model.get_parameter(name).shape)}; use the config.json that came with these weights")
+        out[name] = (handles[files[key]], key)
+    return out
+
+
 @torch.no_grad()
 def load_weights(model, path):
     """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens)."""
-    files = shard_files(path)
-    handles = {}
-    for name, key in match_tensors(model, files, path).items():
-        param = model.get_parameter(name)
-        f = files[key]
-        if f not in handles:
-            handles[f] = _open(f)
+    for name, (handle, key) in check_checkpoint(model, path).items():
         try:
-            src = handles[f].get_slice(key)
-            if tuple(src.get_shape()) != tuple(param.shape):
-                raise KvtError(f"{path}: {key} has shape {tuple(src.get_shape())}, config.json implies "
-                               f"{tuple(param.shape)}; config and weights do not match")
-            _copy_in_chunks(param, src)
+            _copy_in_chunks(model.get_parameter(name), handle.get_slice(key))
         except (SafetensorError, OSError) as e:
-            raise KvtError(f"{f}: cannot read {key} ({e}); the file is truncated, download it again")
+            raise KvtError(f"{path}: cannot read {key} ({e}); the file is truncated, download it again")
 
 
 def save_model(model, path):
