@@ -61,6 +61,7 @@ TOY_TASKS = "toy_recall,toy_recall_gen,toy_copy,toy_count"
 REAL_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k"
 REAL_CALIB = ("calib/wikitext-2", "calib/gutenberg")    # under the data folder: about 3.7M tokens of prose
 RECORDS_FORMAT = "kvt-records-2"                         # 2: keyed by item id, seeded item samples
+SMALL_WIDTH = 512  # models narrower than this run on one CPU thread (the toy family: 64-128 wide)
 MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
 
 
@@ -387,13 +388,15 @@ def main(argv=None):
     keep_freed_memory()
     src_dir, tgt_dir, src_name, tgt_name = resolve(args)
     out = args.out or Path("runs") / f"{src_name}_{tgt_name}"
-    created = not out.exists()
+    created, threads = not out.exists(), torch.get_num_threads()
     try:
         return run(args, src_dir, tgt_dir, src_name, tgt_name, out)
     except BaseException:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         raise
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
@@ -413,6 +416,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
 
     # 1. checks before heavy work
     src_cfg, tgt_cfg = load_config(src_dir, args.calib_len), load_config(tgt_dir, args.calib_len)
+    if args.device == "cpu" and max(src_cfg.dim, tgt_cfg.dim) < SMALL_WIDTH:
+        torch.set_num_threads(1)  # as toy.py trains them: a second thread only waits on the first (main restores it)
     check_matched_kv(src_cfg, tgt_cfg, args.scope)
     src_tok, tok = kvt.load_tokenizer(src_dir), kvt.load_tokenizer(tgt_dir)
     check_same_tokenizer(src_tok, tok)
