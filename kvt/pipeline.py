@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -439,6 +440,11 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
+    try:  # a folder that exists but takes no files (read-only) fails here, not at the first save after calibration
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise KvtError(f"cannot write in the output folder {out} ({e.strerror}); choose another --out")
     source = kvt.load_model(src_dir, dtype, devices=devices)
     target = kvt.load_model(tgt_dir, dtype, devices=devices)
     print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")
