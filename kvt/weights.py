@@ -64,6 +64,8 @@ def _open(file):
         raise KvtError(f"{file} is unreadable or truncated ({e}); download it again")
 
 
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
+
 LEFT_ASIDE = (  # tensors kvt knowingly does not load (a checkpoint's other parts); anything else unused is an error
     "model.vision_tower.", "model.multi_modal_projector.",    # Ministral 3: the image encoder and its projector
     "vision_tower.", "multi_modal_projector.",                # the same, in the older multimodal layout
@@ -85,10 +87,13 @@ def checkpoint_names(cfg, name):
 
 
 def _copy_in_chunks(param, src, chunk_bytes=8 << 20):
-    """param <- src (a safetensors slice), a block of rows at a time: no full-size temporary is held."""
-    step = max(1, chunk_bytes // (param[0].numel() * 4))
+    """param <- src (a safetensors slice), a block of rows at a time: no full-size temporary is held.
+    Returns False if a value is NaN or infinite (a damaged file: no trained weight is)."""
+    step, finite = max(1, chunk_bytes // (param[0].numel() * 4)), True
     for i in range(0, param.shape[0], step):
-        param[i:i + step].copy_(src[i:i + step])
+        block = param[i:i + step].copy_(src[i:i + step])
+        finite = finite and bool(block.sum().isfinite())  # NaN and inf survive a sum; checked while in cache
+    return finite
 
 
 def match_tensors(model, files, path):
@@ -146,9 +151,12 @@ def check_checkpoint(model, path):
         if files[key] not in handles:
             handles[files[key]] = _open(files[key])
         try:
-            stored = tuple(handles[files[key]].get_slice(key).get_shape())
+            stored, dtype = tuple(handles[files[key]].get_slice(key).get_shape()), handles[files[key]].get_slice(key).get_dtype()
         except (SafetensorError, OSError) as e:
             raise KvtError(f"{files[key]}: cannot read {key} ({e}); the file is truncated, download it again")
+        if dtype not in FLOAT_DTYPES:
+            raise KvtError(f"{path}: {key} is stored as {dtype}, not a float type; kvt loads unquantized (bf16/fp16/fp32) "
+                           "checkpoints only: use the original weights")
         if stored != tuple(model.get_parameter(name).shape):
             raise KvtError(f"{path}: {key} has shape {stored}, config.json implies "
                            f"{tuple(model.get_parameter(name).shape)}; use the config.json that came with these weights")
@@ -161,9 +169,11 @@ def load_weights(model, path):
     """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens)."""
     for name, (handle, key) in check_checkpoint(model, path).items():
         try:
-            _copy_in_chunks(model.get_parameter(name), handle.get_slice(key))
+            finite = _copy_in_chunks(model.get_parameter(name), handle.get_slice(key))
         except (SafetensorError, OSError) as e:
             raise KvtError(f"{path}: cannot read {key} ({e}); the file is truncated, download it again")
+        if not finite:
+            raise KvtError(f"{path}: {key} holds NaN or infinite values; the file is damaged, download it again")
 
 
 def save_model(model, path):

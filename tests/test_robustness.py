@@ -1,9 +1,13 @@
 """What an adversarial user finds: each test names a case that ended in a traceback, a misleading line or
 a silently impossible figure, and checks what kvt does now (one KvtError line, or a repaired result)."""
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
+import kvt
 from kvt import bench as B
 from kvt import pipeline as run
 from kvt.config import KvtError
@@ -42,3 +46,27 @@ def test_an_output_folder_that_takes_no_files_is_refused_before_calibration():
     with a SafetensorError traceback saving the statistics. Refused up front now, with what to do."""
     with pytest.raises(KvtError, match="cannot write in the output folder /proc/self .*choose another --out"):
         run.main(toy_run("/proc/self"))
+
+
+def test_integer_weights_are_refused_from_the_header(tmp_path):
+    """Bug: an int8 embedding (a quantized export without quantization_config) was cast to float on load and
+    the run died later in a ZeroDivisionError traceback. The header's dtype is checked before allocating."""
+    folder = tmp_path / "toy-m"
+    shutil.copytree(ROOT / "weights" / "toy-m", folder)
+    t = load_file(folder / "model.safetensors")
+    t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"].to(torch.int8)
+    save_file(t, folder / "model.safetensors")
+    with pytest.raises(KvtError, match="embed_tokens.weight is stored as I8, not a float type.*use the original weights"):
+        kvt.load_model(folder)
+
+
+def test_nan_weights_are_refused_at_load(tmp_path):
+    """Bug: a checkpoint with a NaN weight (a damaged file) loaded silently and the run reported scores of
+    a model that outputs NaN. load_weights checks each block as it copies it."""
+    folder = tmp_path / "toy-m"
+    shutil.copytree(ROOT / "weights" / "toy-m", folder)
+    t = load_file(folder / "model.safetensors")
+    t["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(t, folder / "model.safetensors")
+    with pytest.raises(KvtError, match="layers.1.mlp.up_proj.weight holds NaN or infinite values.*download it again"):
+        kvt.load_model(folder)
