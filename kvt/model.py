@@ -254,15 +254,21 @@ def as_dtype(dtype):
     return dtype
 
 
+def check_weights(cfg, path):
+    """config.json against the checkpoint at `path`: every tensor's name, shape and dtype, read from the
+    safetensors headers before anything is allocated (the model is built on the meta device)."""
+    check_outline(cfg, path)
+    with torch.device("meta"):
+        check_checkpoint(Transformer(cfg), path)
+
+
 def load_model(path, dtype=torch.float32, device="cpu", context=None, devices=None):
     """The checkpoint folder `path` (config.json + safetensors) as a Transformer in dtype (a torch dtype
     or its name) on device, or split by layers across `devices` (each part allocated where it lives: no
     device holds it all)."""
     dtype = as_dtype(dtype)
     cfg = load_config(path, context)
-    check_outline(cfg, path)
-    with torch.device("meta"):  # names and shapes against the safetensors headers, before anything is allocated
-        check_checkpoint(Transformer(cfg), path)
+    check_weights(cfg, path)
     model = _materialize(cfg, dtype, devices or [device])
     load_weights(model, path)
     return model

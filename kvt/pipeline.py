@@ -52,7 +52,7 @@ from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
-from kvt.model import layer_devices
+from kvt.model import check_weights, layer_devices
 from kvt.plan import capacity, check_plan, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
 from kvt.summary import CORPUS, average_retention, coqa_agreement, coqa_turns, lm_eval_results, summarize
@@ -417,6 +417,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
 
     # 1. checks before heavy work
     src_cfg, tgt_cfg = load_config(src_dir, args.calib_len), load_config(tgt_dir, args.calib_len)
+    for cfg, folder in ((src_cfg, src_dir), (tgt_cfg, tgt_dir)):  # the configs' sizes feed the memory plan: check
+        check_weights(cfg, folder)                                   # them against the weights' headers first
     if args.device == "cpu" and max(src_cfg.dim, tgt_cfg.dim) < SMALL_WIDTH:
         torch.set_num_threads(1)  # as toy.py trains them: a second thread only waits on the first (main restores it)
     check_matched_kv(src_cfg, tgt_cfg, args.scope)

@@ -1,5 +1,6 @@
 """What an adversarial user finds: each test names a case that ended in a traceback, a misleading line or
 a silently impossible figure, and checks what kvt does now (one KvtError line, or a repaired result)."""
+import json
 import shutil
 from pathlib import Path
 
@@ -70,3 +71,25 @@ def test_nan_weights_are_refused_at_load(tmp_path):
     save_file(t, folder / "model.safetensors")
     with pytest.raises(KvtError, match="layers.1.mlp.up_proj.weight holds NaN or infinite values.*download it again"):
         kvt.load_model(folder)
+
+
+def test_a_config_larger_than_its_weights_is_refused_before_the_memory_plan(tmp_path):
+    """Bug: kvt run with a config.json of vocab_size 10^9 over a 640-token checkpoint said "memory plan does
+    not fit: 357.6 GiB ... use devices with more memory": the plan read the config's sizes before anything
+    compared them with the weights. The headers are compared first now."""
+    folder = tmp_path / "toy-m"
+    shutil.copytree(ROOT / "weights" / "toy-m", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 10 ** 9}))
+    with pytest.raises(KvtError, match=r"embed_tokens.weight has shape \(640, 96\), config.json implies \(1000000000, 96\)"):
+        run.main(["--source", str(ROOT / "weights" / "toy-s"), "--target", str(folder), "--out", str(tmp_path / "out"),
+                  *SMALL_RUN])
+
+
+def test_a_tokenizer_config_that_is_not_an_object_is_refused(tmp_path):
+    """Bug: tokenizer_config.json holding a list ended in AttributeError "'list' object has no attribute 'get'"."""
+    folder = tmp_path / "toy-m"
+    shutil.copytree(ROOT / "weights" / "toy-m", folder)
+    (folder / "tokenizer_config.json").write_text("[1]")
+    with pytest.raises(KvtError, match="tokenizer_config.json holds a list, not an object.*download"):
+        kvt.load_tokenizer(folder)
