@@ -158,6 +158,10 @@ def check_args(args):
             raise KvtError(f"--bench-lengths {args.bench_lengths!r}: give comma-separated context lengths of at "
                            "least 2 tokens, e.g. 512,1024,2048")
     positive("context", args.context, 2)
+    for name, holds in (("weights", "the checkpoint folders"), ("data_dir", "the task data")):
+        folder = getattr(args, name)
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise KvtError(f"--{name.replace('_', '-')} {folder} is a file; give the folder that holds {holds}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise KvtError(f"--out {args.out} is a file; give a folder (it is created if missing)")
 

@@ -93,3 +93,12 @@ def test_a_tokenizer_config_that_is_not_an_object_is_refused(tmp_path):
     (folder / "tokenizer_config.json").write_text("[1]")
     with pytest.raises(KvtError, match="tokenizer_config.json holds a list, not an object.*download"):
         kvt.load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("option", ["--weights", "--data-dir"])
+def test_a_file_given_for_a_folder_option_is_refused(tmp_path, option):
+    """Bug: --weights FILE said "no checkpoint folder FILE/toy-s; get it with: python -m kvt.toy train --out FILE"
+    (a command that cannot work), --data-dir FILE "missing FILE/arc_easy/test.jsonl: write it with ..."."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(KvtError, match=f"{option} {tmp_path / 'afile'} is a file; give the folder that holds"):
+        run.main([option, str(tmp_path / "afile"), "--out", str(tmp_path / "out"), *SMALL_RUN])
