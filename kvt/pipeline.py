@@ -421,8 +421,6 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
 
     # 1. checks before heavy work
     src_cfg, tgt_cfg = load_config(src_dir, args.calib_len), load_config(tgt_dir, args.calib_len)
-    for cfg, folder in ((src_cfg, src_dir), (tgt_cfg, tgt_dir)):  # the configs' sizes feed the memory plan: check
-        check_weights(cfg, folder)                                   # them against the weights' headers first
     if args.device == "cpu" and max(src_cfg.dim, tgt_cfg.dim) < SMALL_WIDTH:
         torch.set_num_threads(1)  # as toy.py trains them: a second thread only waits on the first (main restores it)
     check_matched_kv(src_cfg, tgt_cfg, args.scope)
@@ -430,6 +428,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     check_same_tokenizer(src_tok, tok)
     lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
     check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
+    for cfg, folder in ((src_cfg, src_dir), (tgt_cfg, tgt_dir)):  # the configs' sizes feed the memory plan: check
+        check_weights(cfg, folder)                                   # them against the weights' headers first
     limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
     items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
