@@ -381,8 +381,11 @@ def bench_default(is_toy, device):
 
 def write_atomic(path, text):
     tmp = Path(f"{path}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:  # e.g. a folder of that name: the records are kept, a rerun only writes the report
+        raise KvtError(f"cannot write {path} ({e.strerror}); move it away and run again (the results are kept)")
 
 
 def main(argv=None):

@@ -102,3 +102,11 @@ def test_a_file_given_for_a_folder_option_is_refused(tmp_path, option):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(KvtError, match=f"{option} {tmp_path / 'afile'} is a file; give the folder that holds"):
         run.main([option, str(tmp_path / "afile"), "--out", str(tmp_path / "out"), *SMALL_RUN])
+
+
+def test_a_report_that_cannot_be_written_is_one_line(tmp_path):
+    """Bug: a folder named report.md in the run folder ended the (finished) run in an IsADirectoryError
+    traceback. One line now, saying what to move; the rerun then only writes the report."""
+    (tmp_path / "report.md").mkdir()
+    with pytest.raises(KvtError, match="cannot write .*report.md .*move it away and run again"):
+        run.write_atomic(tmp_path / "report.md", "x")
