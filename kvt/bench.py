@@ -261,14 +261,15 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
             map_at_prefill_rate = prefill[tgt][n] * 2 * m.n_params() * (n - 1) / flops[0]
             last_bytes = last_step_bytes(m.tgt_cfg, n, itemsize.get((src, tgt), 0))
             copy_s, copy_bytes = copies.get((src, tgt), {}).get(n, (None, 0))
+            step = map_s and last_step_s(t[n], map_s)  # not positive when noise outweighs the step: no rate then
             out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
                         "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": speedup,
                         "speedup_per_round": per_round(prefill[tgt][n], t[n]),
                         "target_prefill_range": [prefill[tgt][n].min, prefill[tgt][n].max],
                         "transfer_range": [t[n].min, t[n].max], "map_s": map_s,
                         "flop_limit": flops[0] / flops[1], "of_limit": speedup * flops[1] / flops[0],
-                        "rate_limit": map_s and prefill[tgt][n] / (map_at_prefill_rate + t[n] - map_s),
-                        "last_gbs": map_s and last_bytes and last_bytes / last_step_s(t[n], map_s) / 1e9,
+                        "rate_limit": prefill[tgt][n] / (map_at_prefill_rate + step) if map_s and step > 0 else None,
+                        "last_gbs": last_bytes / step / 1e9 if map_s and last_bytes and step > 0 else None,
                         "copy_gbs": copy_s and copy_bytes / copy_s / 1e9,
                         "prefill_flops": flops[0], "transfer_flops": flops[1], "mapper_mb": m.nbytes() / 2**20,
                         "peak_gb": peak_memory_gb(device),
@@ -339,14 +340,19 @@ def format_rows(rows):
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
     rounds = lambda m: f"{m[0]:.1f}x ({m[1]:.1f}-{m[2]:.1f})"  # noqa: E731
     span = lambda r, k: f"{r[k + '_s']:.3f} ({r[k + '_range'][0]:.3f}-{r[k + '_range'][1]:.3f})"  # noqa: E731
+    dash = lambda x, fmt, unit="": "-" if x is None else f"{x:{fmt}}{unit}"  # noqa: E731
     for r in rows:
         out.append(f"| {r['direction']} | {r['tokens']} | {r['source_prefill_s']:.3f} | {span(r, 'target_prefill')} "
                    f"| {span(r, 'transfer')} | {r['speedup']:.1f}x | {rounds(r['speedup_per_round'])} "
                    f"| {r.get('map_s') or float('nan'):.3f} "
                    f"| {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
-                   f"| {r.get('rate_limit') or float('nan'):.1f}x | {r.get('last_gbs') or float('nan'):.1f} "
+                   f"| {dash(r.get('rate_limit'), '.1f', 'x')} | {dash(r.get('last_gbs'), '.1f')} "
                    f"| {r.get('copy_gbs') or float('nan'):.1f} "
                    f"| {r['mapper_mb']:.1f} |" + "".join(f" {r['recompute_s'][f]:.3f} |" for f in fracs))
+    if any(r.get("map_s") and r.get("last_gbs") is None for r in rows):
+        out += ["", "-: a round's transfer minus its map (the last step), median over rounds, was not positive: the "
+                "step is shorter than the timing noise here, so no rate is given; time longer contexts or more rounds "
+                "(python -m kvt.bench --repeats)"]
     return "\n".join(out)
 
 

@@ -10,6 +10,7 @@ What kvt does not implement is refused with a one-line KvtError naming the key, 
 """
 import hashlib
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -92,29 +93,103 @@ class Config:
         }
 
 
+def _int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_POSITIVE_INT = ("a positive integer", lambda v: _int(v) and v > 0)
+_NUMBER = ("a finite number", _number)
+_BOOL = ("true or false", lambda v: isinstance(v, bool))
+_OBJECT = ("an object {...}", lambda v: isinstance(v, dict))
+_TOKEN_ID = ("a token id (an integer, at least 0)", lambda v: _int(v) and v >= 0)
+FIELDS = {  # every config.json key kvt reads: (what it must be, the test); a null or absent key is checked elsewhere
+    "architectures": ('a list of class names, e.g. ["Qwen3ForCausalLM"]',
+                      lambda v: isinstance(v, list) and bool(v) and all(isinstance(a, str) for a in v)),
+    "text_config": _OBJECT,
+    "vocab_size": _POSITIVE_INT, "hidden_size": _POSITIVE_INT, "num_hidden_layers": _POSITIVE_INT,
+    "num_attention_heads": _POSITIVE_INT, "num_key_value_heads": _POSITIVE_INT, "intermediate_size": _POSITIVE_INT,
+    "head_dim": ("a positive even integer (RoPE rotates channel pairs)", lambda v: _int(v) and v > 0 and v % 2 == 0),
+    "max_position_embeddings": _POSITIVE_INT, "original_max_position_embeddings": _POSITIVE_INT,
+    "sliding_window": _POSITIVE_INT,
+    "rms_norm_eps": ("a positive number below 1", lambda v: _number(v) and 0 < v < 1),
+    "rope_theta": ("a number above 1", lambda v: _number(v) and v > 1),
+    "rope_parameters": _OBJECT, "rope_scaling": _OBJECT,
+    "hidden_act": ("a name, e.g. \"silu\"", lambda v: isinstance(v, str)),
+    "use_sliding_window": _BOOL, "attention_bias": _BOOL, "mlp_bias": _BOOL, "tie_word_embeddings": _BOOL,
+    "num_experts": ("an integer", _int), "num_local_experts": ("an integer", _int), "n_routed_experts": ("an integer", _int),
+    "bos_token_id": _TOKEN_ID,
+    "eos_token_id": ("a token id or a list of them", lambda v: _TOKEN_ID[1](v) or (isinstance(v, list) and all(map(_TOKEN_ID[1], v)))),
+}
+ROPE_FIELDS = {  # the keys of rope_parameters (or rope_scaling) kvt reads
+    "rope_type": ('a name, e.g. "default"', lambda v: isinstance(v, str)), "type": ('a name, e.g. "default"', lambda v: isinstance(v, str)),
+    "rope_theta": FIELDS["rope_theta"], "original_max_position_embeddings": _POSITIVE_INT,
+    "factor": ("a number at least 1", lambda v: _number(v) and v >= 1),
+    "low_freq_factor": ("a positive number", lambda v: _number(v) and v > 0),
+    "high_freq_factor": ("a positive number", lambda v: _number(v) and v > 0),
+    "beta_fast": ("a positive number", lambda v: _number(v) and v > 0),
+    "beta_slow": ("a positive number", lambda v: _number(v) and v > 0), "mscale": _NUMBER, "mscale_all_dim": _NUMBER,
+    "attention_factor": _NUMBER, "llama_4_scaling_beta": _NUMBER, "truncate": _BOOL,
+}
+ROPE_NEEDS = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",)}
+
+
+def _show(v):
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_fields(c, fields=FIELDS, where="config.json"):
+    """Every key of `fields` that `c` sets (not null) has the type and range kvt needs; else one KvtError
+    naming the key, its value and what is expected. The one place config values are checked."""
+    for key, (expected, ok) in fields.items():
+        v = c.get(key)
+        if v is not None and not ok(v):
+            raise KvtError(f"{where}: {key} is {_show(v)}, expected {expected}; use the config.json that came with "
+                           "the checkpoint")
+
+
 def _rope_params(c):
     """The RoPE dict in 5.x form: {"rope_type", "rope_theta", ...type parameters}."""
     p = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    check_fields(p, ROPE_FIELDS, "config.json: rope_parameters")
     if "type" in p and "rope_type" not in p:  # older spelling
         p["rope_type"] = p.pop("type")
     p.setdefault("rope_type", "default")
-    p.setdefault("rope_theta", c.get("rope_theta", 10000.0))
-    if p["rope_type"] not in ("default", "llama3", "yarn"):
+    if p.get("rope_theta") is None:
+        p["rope_theta"] = c.get("rope_theta") if c.get("rope_theta") is not None else 10000.0
+    if p["rope_type"] not in ROPE_NEEDS:
         raise KvtError(f"config.json: rope type {p['rope_type']!r} is not implemented (kvt has default, llama3, yarn)")
-    if p["rope_type"] != "default":  # the pretraining length, where transformers looks for it
-        p.setdefault("original_max_position_embeddings",
-                     c.get("original_max_position_embeddings") or c.get("max_position_embeddings", 4096))
+    missing = [key for key in ROPE_NEEDS[p["rope_type"]] if p.get(key) is None]
+    if missing:
+        raise KvtError(f"config.json: rope_parameters of type {p['rope_type']!r} lack {', '.join(missing)}; use the "
+                       "config.json that came with the checkpoint")
+    if p["rope_type"] == "llama3" and p["high_freq_factor"] <= p["low_freq_factor"]:
+        raise KvtError(f"config.json: rope_parameters high_freq_factor {p['high_freq_factor']} is not above "
+                       f"low_freq_factor {p['low_freq_factor']}; use the config.json that came with the checkpoint")
+    if (p["rope_type"] != "default" or p.get("llama_4_scaling_beta")) and p.get("original_max_position_embeddings") is None:
+        p["original_max_position_embeddings"] = (  # the pretraining length, where transformers looks for it
+            c.get("original_max_position_embeddings") or c.get("max_position_embeddings") or 4096)
     return p
 
 
 def config_from_dict(hf, context=None):
     """Config from a parsed config.json. `context`: the longest sequence the caller plans to run."""
+    if not isinstance(hf, dict):
+        raise KvtError(f"config.json holds {type(hf).__name__} {_show(hf)}, not an object {{...}}; use the "
+                       "config.json that came with the checkpoint")
+    check_fields(hf, {key: FIELDS[key] for key in ("architectures", "text_config")})
     arch = (hf.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
         raise KvtError(f"config.json: architecture {arch!r} is not supported (kvt has {', '.join(ARCHITECTURES)})")
     family = ARCHITECTURES[arch]
-    c = hf.get("text_config", hf) if arch == "Mistral3ForConditionalGeneration" else hf
+    c = hf.get("text_config") or hf if arch == "Mistral3ForConditionalGeneration" else hf
     prefix = "model.language_model." if arch == "Mistral3ForConditionalGeneration" else "model."
+    check_fields(hf)
+    check_fields(c)
     for key in ("quantization_config",):
         if key in hf or key in c:
             raise KvtError(f"config.json: {key!r} is set; kvt loads unquantized (bf16/fp32) checkpoints only")
@@ -135,20 +210,20 @@ def config_from_dict(hf, context=None):
     if missing:
         raise KvtError(f"config.json: {', '.join(map(repr, missing))} missing or null; use the config.json that came "
                        f"with the {arch} checkpoint")
-    for key in required[:-1] + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
-        v = c.get(key)
-        if key in c and v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise KvtError(f"config.json: {key} is {v!r}; it must be a positive integer")
     n_heads = c["num_attention_heads"]
     if n_heads % (c.get("num_key_value_heads") or n_heads):
         raise KvtError(f"config.json: {n_heads} attention heads do not split into {c['num_key_value_heads']} KV heads")
+    head_dim = c.get("head_dim") or c["hidden_size"] // n_heads  # Qwen3 and Ministral 3 give it explicitly
+    if head_dim < 2 or head_dim % 2:
+        raise KvtError(f"config.json: hidden_size {c['hidden_size']} / num_attention_heads {n_heads} gives a head "
+                       f"dim of {head_dim}, expected a positive even integer; use the config.json that came with "
+                       "the checkpoint")
     return Config(
         family=family, vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,  # Qwen3 and Ministral 3 give it explicitly
+        n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads, head_dim=head_dim,
         ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope=_rope_params(c),
-        tie_embeddings=hf.get("tie_word_embeddings", c.get("tie_word_embeddings", False)),
-        max_seq_len=c.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", c.get("tie_word_embeddings"))),
+        max_seq_len=c.get("max_position_embeddings") or 4096,
         bos_token_id=c.get("bos_token_id", hf.get("bos_token_id")),
         eos_token_id=c.get("eos_token_id", hf.get("eos_token_id")), prefix=prefix)
 
@@ -223,11 +298,11 @@ def load_config(path, context=None):
     f = Path(path) / "config.json"
     if not Path(path).is_dir():
         raise KvtError(f"no checkpoint folder {path}; get it with: {download_hint(path)}")
-    if not f.exists():
+    if not f.is_file():
         raise KvtError(f"no config.json in {path}; is this a Hugging Face checkpoint folder? (see weights/README.md)")
     try:
         hf = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KvtError(f"{f} is not valid JSON ({e}); download the checkpoint again")
     return config_from_dict(hf, context)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvt import rope
 from kvt.cache import Cache, append, empty
 from kvt.config import Config, KvtError, load_config, shape
-from kvt.weights import load_weights
+from kvt.weights import check_checkpoint, check_outline, load_weights
 
 
 class RMSNorm(nn.Module):
@@ -254,12 +254,21 @@ def as_dtype(dtype):
     return dtype
 
 
+def check_weights(cfg, path):
+    """config.json against the checkpoint at `path`: every tensor's name, shape and dtype, read from the
+    safetensors headers before anything is allocated (the model is built on the meta device)."""
+    check_outline(cfg, path)
+    with torch.device("meta"):
+        check_checkpoint(Transformer(cfg), path)
+
+
 def load_model(path, dtype=torch.float32, device="cpu", context=None, devices=None):
     """The checkpoint folder `path` (config.json + safetensors) as a Transformer in dtype (a torch dtype
     or its name) on device, or split by layers across `devices` (each part allocated where it lives: no
     device holds it all)."""
     dtype = as_dtype(dtype)
     cfg = load_config(path, context)
+    check_weights(cfg, path)
     model = _materialize(cfg, dtype, devices or [device])
     load_weights(model, path)
     return model

@@ -38,6 +38,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +54,7 @@ from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
-from kvt.model import layer_devices
+from kvt.model import check_weights, layer_devices
 from kvt.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
 from kvt.summary import CORPUS, average_retention, coqa_agreement, coqa_turns, lm_eval_results, summarize
@@ -63,6 +64,7 @@ TOY_TASKS = "toy_recall,toy_recall_gen,toy_copy,toy_count"
 REAL_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k"
 REAL_CALIB = ("calib/wikitext-2", "calib/gutenberg")    # under the data folder: about 3.7M tokens of prose
 RECORDS_FORMAT = "kvt-records-3"                         # 3: keyed by what was scored (item_key)
+SMALL_WIDTH = 512  # models narrower than this run on one CPU thread (the toy family: 64-128 wide)
 MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
 
 
@@ -163,6 +165,10 @@ def check_args(args):
                            "least 2 tokens, e.g. 512,1024,2048")
     positive("context", args.context, 2)
     positive("batch-size", args.batch_size, why=" (items per evaluation batch)")
+    for name, holds in (("weights", "the checkpoint folders"), ("data_dir", "the task data")):
+        folder = getattr(args, name)
+        if folder is not None and folder.exists() and not folder.is_dir():
+            raise KvtError(f"--{name.replace('_', '-')} {folder} is a file; give the folder that holds {holds}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise KvtError(f"--out {args.out} is a file; give a folder (it is created if missing)")
 
@@ -446,8 +452,11 @@ def bench_default(is_toy, device):
 
 def write_atomic(path, text):
     tmp = Path(f"{path}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:  # e.g. a folder of that name: the records are kept, a rerun only writes the report
+        raise KvtError(f"cannot write {path} ({e.strerror}); move it away and run again (the results are kept)")
 
 
 def main(argv=None):
@@ -458,13 +467,15 @@ def main(argv=None):
     keep_freed_memory()
     src_dir, tgt_dir, src_name, tgt_name = resolve(args)
     out = args.out or Path("runs") / f"{src_name}_{tgt_name}"
-    created = not out.exists()
+    created, threads = not out.exists(), torch.get_num_threads()
     try:
         return run(args, src_dir, tgt_dir, src_name, tgt_name, out)
     except BaseException:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         raise
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
@@ -495,11 +506,15 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
 
     # 1. checks before heavy work
     src_cfg, tgt_cfg = load_config(src_dir, args.calib_len), load_config(tgt_dir, args.calib_len)
+    if args.device == "cpu" and max(src_cfg.dim, tgt_cfg.dim) < SMALL_WIDTH:
+        torch.set_num_threads(1)  # as toy.py trains them: a second thread only waits on the first (main restores it)
     check_matched_kv(src_cfg, tgt_cfg, args.scope)
     src_tok, tok = kvt.load_tokenizer(src_dir), kvt.load_tokenizer(tgt_dir)
     check_same_tokenizer(src_tok, tok)
     lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
     check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
+    for cfg, folder in ((src_cfg, src_dir), (tgt_cfg, tgt_dir)):  # the configs' sizes feed the memory plan: check
+        check_weights(cfg, folder)                                   # them against the weights' headers first
     items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
     toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
     missing = [str(p) for p in args.calib if not Path(p).exists()]
@@ -530,6 +545,11 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
     if not os.access(out, os.W_OK | os.X_OK):
         raise KvtError(f"cannot write into the output folder {out} (permission denied); choose another --out")
+    try:  # a folder that exists but takes no files (read-only) fails here, not at the first save after calibration
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise KvtError(f"cannot write in the output folder {out} ({e.strerror}); choose another --out")
     skeys = [skey] + ([stats_key(args, tgt_dir, src_dir, calib)] if len(plans) > 1 else [])
     disk = check_disk(out, plans.values(), args, skeys)
     if dist.rank() == 0:

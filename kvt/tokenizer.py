@@ -32,8 +32,11 @@ class Tokenizer:
         extra = file.with_name("tokenizer_config.json")
         try:
             conf = json.loads(extra.read_text()) if extra.exists() else {}
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
             raise KvtError(f"{extra} is not valid JSON ({e}); download the checkpoint's tokenizer files again")
+        if not isinstance(conf, dict):
+            raise KvtError(f"{extra} holds a {type(conf).__name__}, not an object {{...}}; download the checkpoint's "
+                           "tokenizer files again")
 
         def named(key):  # the id of the token tokenizer_config.json names: "<|im_end|>", {"content": ...} or null
             token = conf.get(key)

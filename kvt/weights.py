@@ -25,7 +25,13 @@ def shard_files(path):
         raise KvtError(f"no checkpoint folder {path}; get it with: {download_hint(path)}")
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise KvtError(f"{index} is not a JSON object ({e}); download it again with: {download_hint(path)}")
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise KvtError(f"{index} has no weight_map of tensor names to files; download it again with: "
+                           f"{download_hint(path)}")
         missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
         if missing:
             raise KvtError(f"{path}: shard {missing[0]} is missing ({len(missing)} of "
@@ -59,6 +65,8 @@ def _open(file):
         raise KvtError(f"{file} is unreadable or truncated ({e}); download it again")
 
 
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors' names of the dtypes a weight may be stored in
+
 LEFT_ASIDE = (  # tensors kvt knowingly does not load (a checkpoint's other parts); anything else unused is an error
     "model.vision_tower.", "model.multi_modal_projector.",    # Ministral 3: the image encoder and its projector
     "vision_tower.", "multi_modal_projector.",                # the same, in the older multimodal layout
@@ -80,10 +88,13 @@ def checkpoint_names(cfg, name):
 
 
 def _copy_in_chunks(param, src, chunk_bytes=8 << 20):
-    """param <- src (a safetensors slice), a block of rows at a time: no full-size temporary is held."""
-    step = max(1, chunk_bytes // (param[0].numel() * 4))
+    """param <- src (a safetensors slice), a block of rows at a time: no full-size temporary is held.
+    Returns False if a value is NaN or infinite (a damaged file: no trained weight is)."""
+    step, finite = max(1, chunk_bytes // (param[0].numel() * 4)), True
     for i in range(0, param.shape[0], step):
-        param[i:i + step].copy_(src[i:i + step])
+        block = param[i:i + step].copy_(src[i:i + step])
+        finite = finite and bool(block.sum().isfinite())  # NaN and inf survive a sum; checked while in cache
+    return finite
 
 
 def match_tensors(model, files, path):
@@ -113,24 +124,57 @@ def match_tensors(model, files, path):
     return found
 
 
+def check_outline(cfg, path):
+    """The checkpoint holds the last layer config.json names, and its first query projection has the
+    shape config.json implies: read from tensor names and one header, before even an empty model is built
+    (a config of a million layers, or of a head dim of 2^40, whose RoPE table alone would not fit)."""
+    files = shard_files(path)
+    last = tuple(f"{prefix}layers.{cfg.n_layers - 1}." for prefix, _ in LAYOUTS[cfg.prefix])
+    if not any(k.startswith(last) for k in files):
+        raise KvtError(f"{path}: config.json says {cfg.n_layers} layers but {last[0]} is missing from the checkpoint; "
+                       "is it this checkpoint's config, and is the download complete?")
+    q = next((k for k in checkpoint_names(cfg, "model.layers.0.self_attn.q_proj.weight") if k in files), None)
+    stored, implied = q and tuple(_open(files[q]).get_slice(q).get_shape()), (cfg.n_heads * cfg.head_dim, cfg.dim)
+    if q and stored != implied:
+        raise KvtError(f"{path}: {q} has shape {stored}, config.json implies "
+                       f"{implied} ({cfg.n_heads} heads x head_dim {cfg.head_dim}, hidden_size {cfg.dim}); use the "
+                       "config.json that came with these weights")
+
+
+def check_checkpoint(model, path):
+    """{parameter name: (file handle, tensor name)} after checking, from the safetensors headers alone (no
+    tensor data is read), that every tensor is accounted for and has the shape config.json implies. `model`
+    may live on the meta device, so a config that does not fit its weights is refused before anything is
+    allocated."""
+    files = shard_files(path)
+    handles, out = {}, {}
+    for name, key in match_tensors(model, files, path).items():
+        if files[key] not in handles:
+            handles[files[key]] = _open(files[key])
+        try:
+            stored, dtype = tuple(handles[files[key]].get_slice(key).get_shape()), handles[files[key]].get_slice(key).get_dtype()
+        except (SafetensorError, OSError) as e:
+            raise KvtError(f"{files[key]}: cannot read {key} ({e}); the file is truncated, download it again")
+        if dtype not in FLOAT_DTYPES:
+            raise KvtError(f"{path}: {key} is stored as {dtype}, not a float type; kvt loads unquantized (bf16/fp16/fp32) "
+                           "checkpoints only: use the original weights")
+        if stored != tuple(model.get_parameter(name).shape):
+            raise KvtError(f"{path}: {key} has shape {stored}, config.json implies "
+                           f"{tuple(model.get_parameter(name).shape)}; use the config.json that came with these weights")
+        out[name] = (handles[files[key]], key)
+    return out
+
+
 @torch.no_grad()
 def load_weights(model, path):
     """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens)."""
-    files = shard_files(path)
-    handles = {}
-    for name, key in match_tensors(model, files, path).items():
-        param = model.get_parameter(name)
-        f = files[key]
-        if f not in handles:
-            handles[f] = _open(f)
+    for name, (handle, key) in check_checkpoint(model, path).items():
         try:
-            src = handles[f].get_slice(key)
-            if tuple(src.get_shape()) != tuple(param.shape):
-                raise KvtError(f"{path}: {key} has shape {tuple(src.get_shape())}, config.json implies "
-                               f"{tuple(param.shape)}; config and weights do not match")
-            _copy_in_chunks(param, src)
+            finite = _copy_in_chunks(model.get_parameter(name), handle.get_slice(key))
         except (SafetensorError, OSError) as e:
-            raise KvtError(f"{f}: cannot read {key} ({e}); the file is truncated, download it again")
+            raise KvtError(f"{path}: cannot read {key} ({e}); the file is truncated, download it again")
+        if not finite:
+            raise KvtError(f"{path}: {key} holds NaN or infinite values; the file is damaged, download it again")
 
 
 def write_safetensors(tensors, path, metadata=None):

@@ -1,6 +1,7 @@
 """kvt installs: `pip install .` and `pip install -e .` from a fresh clone give a `kvt` command that runs
 from any folder, with the toy family it ships. Guards: a pyproject that misses a module or the toy
-weights, a default path that only works from the repository root, and a console script that fails."""
+weights, a default path that only works from the repository root, a console script that fails, and a
+test venv that sees the base interpreter's packages rather than those of the venv the suite runs in."""
 import subprocess
 import sys
 
@@ -23,7 +24,11 @@ def test_installed_kvt_runs_from_any_folder(tmp_path, editable):
     sh("git", "clone", "-q", ROOT, clone)
     for f in ("kvt", "pyproject.toml", "run.py", "README.md"):              # the working tree, committed or not
         sh("cp", "-r", ROOT / f, clone)
-    sh(sys.executable, "-m", "venv", "--system-site-packages", env)         # torch and friends from this Python
+    sh(sys.executable, "-m", "venv", env)
+    # torch and friends from this interpreter, wherever it has them: its own site-packages in a user's venv
+    # (--system-site-packages would expose the base interpreter's instead, without torch), the system's in CI
+    found = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    (next(env.glob("lib/python*/site-packages")) / "parent-interpreter.pth").write_text("\n".join(found) + "\n")
     sh(env / "bin" / "pip", "install", "-q", "--no-deps", *(["-e"] if editable else []), clone)
     elsewhere.mkdir()
     out = sh(env / "bin" / "kvt", *ARGS, cwd=elsewhere)
