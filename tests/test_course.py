@@ -93,7 +93,7 @@ def test_ridge_without_centering_costs_eigens_points(solutions, tmp_path, capsys
     matrix) passing; and that mistake costing weights' points too, though weights calls eigen in its
     case: it must be graded with the reference eigen."""
     folder = plant(solutions, tmp_path, "ridge", "kvt/ridge.py",
-                   "cxx = s.gram() / s.n - mx[:, :, None] * mx[:, None, :]", "cxx = s.gram() / s.n")
+                   "cxx = s.gram().div_(s.n).sub_(mx[:, :, None] * mx[:, None, :])", "cxx = s.gram().div_(s.n)")
     assert_costs_exactly(folder, "ridge.eigen", capsys)
 
 

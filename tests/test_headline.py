@@ -9,6 +9,10 @@ what was allocated, and the plan (kvt/plan.py) must bound it: measured <= plan *
 The plan must also not be loose: measured >= plan * TIGHT."""
 import ctypes
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,11 +99,9 @@ def test_plan_bounds_the_bench():
     check_bound(got, planned, "bench")
 
 
-def test_plan_bounds_a_ridge_fit():
-    """ridge.fit_layers of k = 2 source layers (1,024 features) onto one target layer out of sums over 4
-    and 2 layers holds what plan.ridge_bytes counts: on a GPU beside a pass's statistics it is what
-    tips the last groups over (about 4 GiB at Qwen3-32B's layer width). Guards: a count that leaves out
-    eigh's matrices or the selections' intermediates."""
+def ridge_fit_peak():
+    """(measured, planned) bytes of ridge.fit_layers of k = 2 source layers (1,024 features) onto one target
+    layer, out of sums over 4 source and 2 target layers of 512 features each."""
     from kvt import ridge
     from kvt.plan import ridge_bytes
     from kvt.stats import Stats, Sums
@@ -108,13 +110,26 @@ def test_plan_bounds_a_ridge_fit():
     parts = {}
     for name in ("k.fit", "k.val", "v.fit", "v.val"):
         x = torch.randn(1, 3000, 4 * bx, generator=g, dtype=torch.float64)
-        parts[name] = Sums.zeros(1, 4 * bx, 2 * by).add_(x, x[:, :, :2 * by] + 0.1 * torch.randn(1, 3000, 2 * by, generator=g,
-                                                                                        dtype=torch.float64))
-        del x
+        y = x[:, :, :2 * by] + 0.1 * torch.randn(1, 3000, 2 * by, generator=g, dtype=torch.float64)
+        parts[name] = Sums.zeros(1, 4 * bx, 2 * by).add_(x, y)
+        del x, y
     stats = Stats("layer", [0, 1, 2, 3], [0, 1], bx, by, parts)
-    selected = torch.tensor([[0, 2], [1, 3]])
-    got = measured(lambda: ridge.fit_layers(stats, "k", selected, (1e-3,)))
-    check_bound(got, ridge_bytes(1, 4 * bx, 2 * by, 2 * bx, by), "ridge fit")
+    got = measured(lambda: ridge.fit_layers(stats, "k", torch.tensor([[0, 2], [1, 3]]), (1e-3,)))
+    return got, ridge_bytes(1, 4 * bx, 2 * by, 2 * bx, by)
+
+
+def test_plan_bounds_a_ridge_fit():
+    """ridge.fit_layers holds what plan.ridge_bytes counts: on a GPU beside a pass's statistics it is what
+    tips the last groups over (about 4 GiB at Qwen3-32B's layer width). Measured in a fresh process: a
+    long one's heap can hold pages the measure then misreads. Guards: a count that leaves out eigh's
+    matrices or the selections' intermediates."""
+    code = "import torch, test_headline as h; torch.set_num_threads(1); print(*h.ridge_fit_peak())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                                                          os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got, planned = map(float, out.stdout.split()[-2:])
+    check_bound(got, planned, "ridge fit")
 
 
 # ---- the run's files: statistics deleted once used, fits resumed, disk checked, the gate on the used mapper --
