@@ -14,8 +14,8 @@
    so its way back is calibrated and evaluated too), calibration on 16 x 256 tokens of wikitext-2, the
    bench at 4K tokens; the device's peak memory checked against the plan run.py printed (at most
    HEADLINE_MARGIN over it): headline.txt, and the run folder's report.md and results.json beside it.
-   --small: Qwen3-0.6B's shape (3 and 4 layers), 4 x 64 calibration tokens, one item a task, the bench at
-   128 tokens (the CPU's
+   --small: Qwen3-0.6B's shape (3 and 4 layers), 4 x 64 calibration tokens, k = 2, one item a task, the
+   bench at 128 tokens (the CPU's
    peak is reported, not checked: the process's resident memory counts the tokenizer and data too).
    --only headline runs this step alone.
 Random weights: times, not accuracy. The first line of each file names the device.
@@ -88,12 +88,12 @@ def headline_check(device, out, small):
                 shutil.copy(shared / "tokenizers" / "qwen3" / f, folder / f)
         folders.append(folder)
     calib = shared / "data" / "calib" / "wikitext-2"
-    seqs, length, context, items = (4, 64, 128, 1) if small else (16, 256, 4096, 2)
+    seqs, length, context, items, k = (4, 64, 128, 1, 2) if small else (16, 256, 4096, 2, 8)
     run_dir = out / "headline-run"
     argv = ["--source", str(folders[0]), "--target", str(folders[1]), "--out", str(run_dir), "--device", device,
             "--data-dir", str(shared / "data"), "--calib", str(calib), "--calib-seqs", str(seqs), "--calib-len",
             str(length), "--tasks", "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k,coqa", "--limit", str(items),
-            "--task-limit", "coqa=1", "--bench-lengths", str(context)]
+            "--task-limit", "coqa=1", "--bench-lengths", str(context), "--k", str(k)]
     reset_peak_memory(device)
     t0 = time.perf_counter()
     results = pipeline.main(argv)
@@ -102,7 +102,7 @@ def headline_check(device, out, small):
     cap = capacity([device])
     need = 0
     for a, b in ((src_cfg, tgt_cfg), (tgt_cfg, src_cfg)):                 # both mappers, as run.py plans them
-        p = split_to_fit(plan(a, b, "layer", 8, context, dtype, [device], calib_len=length, bench=a is src_cfg), cap)
+        p = split_to_fit(plan(a, b, "layer", k, context, dtype, [device], calib_len=length, bench=a is src_cfg), cap)
         need = max(need, max(p.need().values()))
     lines = [f"headline rehearsal: {names[0]} (3 layers) -> {names[1]} (4 layers), random weights, {dtype}, "
              f"{bench.hardware(device)}",
