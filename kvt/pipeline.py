@@ -543,8 +543,6 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KvtError(f"cannot create the output folder {out} ({e.strerror}); choose another --out")
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise KvtError(f"cannot write into the output folder {out} (permission denied); choose another --out")
     try:  # a folder that exists but takes no files (read-only) fails here, not at the first save after calibration
         with tempfile.TemporaryFile(dir=out):
             pass
