@@ -10,6 +10,7 @@ What kvt does not implement is refused with a one-line KvtError naming the key, 
 """
 import hashlib
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +18,13 @@ from pathlib import Path
 
 class KvtError(Exception):
     """A problem the user can fix; run.py prints it as one line and exits with code 2."""
+
+
+def plain():
+    """Whether to run the plain path of every step (KVT_PLAIN=1, or --plain on run.py and kvt bench): the
+    method as the tutorial writes it, the same results within each dtype's tolerance, slower. By default
+    the callers (handoff, generate, calibration statistics) take each step's fast twin."""
+    return os.environ.get("KVT_PLAIN", "0") not in ("", "0")
 
 
 ARCHITECTURES = {  # config.json "architectures"[0] -> family

@@ -77,14 +77,13 @@ class Assignment:
 
 ASSIGNMENTS = {
     "rope": Assignment("RoPE as pure functions", (3,), (
-        Graded("rope.rotate", 3, 3, "the rotation of each plane (i, i + D/2), written into a given buffer"),
+        Graded("rope.rotate", 3, 3, "the rotation of each plane (i, i + D/2): x cos + rotate_half(x) sin"),
         Graded("rope.apply", 1, 3, "RoPE at given positions, from frequencies and YaRN's scale"),
         Graded("rope.strip", 3, 3, "the exact inverse: rotation by -position, the scale divided out"),
         Graded("rope._llama3", 2, 3, "Llama 3.1's frequencies: keep the high, divide the low, blend between"),
         Graded("rope._yarn", 3, 3, "YaRN's frequencies and attention factor (Ministral 3)"))),
     "ridge": Assignment("The normal equations, streamed", (4, 6), (
-        Graded("stats.Pending.add_", 2, 4, "sufficient statistics streamed batch by batch, centered for precision"),
-        Graded("stats.Sums.add_shifted_", 3, 4, "the shift's share added back exactly: sums of x from sums of x - m"),
+        Graded("stats.Sums.add_", 2, 4, "sufficient statistics streamed batch by batch: float64 sums of products"),
         Graded("ridge.eigen", 3, 6, "centered covariances, standardized features, one eigendecomposition"),
         Graded("ridge.weights", 2, 6, "ridge at any lambda from the eigendecomposition, and the bias"),
         Graded("ridge.sse", 3, 4, "held-out squared error from sums alone, without the tokens"),
@@ -147,9 +146,7 @@ def rope_inputs(dtype=torch.float32):
 def case_rotate():
     x, pos, inv = rope_inputs()
     cos, sin = rope.cos_sin(pos, inv, 1.0, x.dtype)
-    buf = torch.zeros(2, 3, 8, 16)                                   # a cache buffer with 3 free slots
-    rope.rotate(x, cos, sin, out=buf[:, :, :5])
-    return {"y": rope.rotate(x, cos, sin), "buffer": buf}
+    return {"y": rope.rotate(x, cos, sin), "scaled": rope.rotate(x, *rope.cos_sin(pos, inv, 1.25, x.dtype))}
 
 
 @case("rope.apply")
@@ -193,18 +190,17 @@ def planted(G=2, N=300, F=6, O=3, mean=2.0, seed=0):
 
 def sums(x, y):
     s = stats.Sums.zeros(x.shape[0], x.shape[2], y.shape[2])
-    s.add_(x, y, f64)
+    s.add_(x, y)
     return s
 
 
-@case("stats.Pending.add_")
-@case("stats.Sums.add_shifted_")
+@case("stats.Sums.add_")
 def case_add():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 100, 5, generator=g) + 1000.0                 # (G, N, F): a mean 1000 x the spread
     y = x[..., :3] * 2 - 1500.0 + torch.randn(2, 100, 3, generator=g)
     s = stats.Sums.zeros(2, 5, 3)
-    s.add_(x[:, :60], y[:, :60])                                     # two batches, float32 products
+    s.add_(x[:, :60], y[:, :60])                                     # two batches
     s.add_(x[:, 60:], y[:, 60:])
     mx, my = s.sx / s.n, s.sy / s.n
     return {"gram": s.gram(), "xy": s.xy, "sx": s.sx, "sy": s.sy, "syy": s.syy, "n": s.n,   # then what the fit
