@@ -40,7 +40,7 @@ def assert_same_cache(fast, plain, dtype, what):
 @pytest.mark.parametrize("B,H,T,D", [(1, 2, 7, 16), (3, 4, 5, 32)])
 def test_rotate_into_equals_rotate(dtype, B, H, T, D):
     """rotate_into writes rotate's result into a strided cache slice. Guards: a sign flipped in one
-    half (out[:D/2] += x2 * sin), the halves' products swapped, or the slots past T written."""
+    half (out[:D/2] += x2 * sin instead of -=), or the slots past T written."""
     g = torch.Generator().manual_seed(B * T)
     x = torch.randn(B, H, T, D, generator=g).to(dtype)
     pos = torch.randint(0, 5000, (B, T), generator=g)
@@ -73,7 +73,7 @@ PAIRS = {"head": (tiny_config("qwen3", n_layers=3), tiny_config("llama", n_layer
 def test_apply_fast_equals_apply(scope, dtype, B, T, pad):
     """apply_fast and apply give the same cache (mapper and cache in `dtype`, biases non-zero, keys moved
     to other positions). Guards: the fast map without its bias, a selected layer's features put in
-    another's place in the gathered buffer, the target's RoPE left out or the source's not stripped."""
+    another's place in the gathered buffer, or the target's RoPE left out."""
     src, tgt = PAIRS[scope]
     mapper = random_mapper(src, tgt, scope, k=2, dtype=dtype, bias=0.5)
     cache = source_cache(src, B, T, dtype, pad)
@@ -129,8 +129,8 @@ def test_bf16_map_accumulates_in_float32():
 @pytest.mark.parametrize("G,N,F,O", [(2, 50, 7, 3), (1, 600, 300, 5)])
 def test_add_fast_equals_add(G, N, F, O):
     """Sums.add_fast_ (centered float32 products, upper part of xx) and add_ (float64 products) give the
-    same sums as gram() and the fit read them, on features with a large mean. Guards: the shift's share
-    added back wrongly (m s^T dropped), or a chunk of xx's upper part skipped."""
+    same sums as gram() and the fit read them, on features with a large mean. Guards: a chunk of xx's
+    upper part skipped (the last of CHUNK rows when F = 300)."""
     g = torch.Generator().manual_seed(F)
     x = torch.randn(G, N, F, generator=g, dtype=torch.float64) * 3 + 50
     y = x[..., :O] * 2 + torch.randn(G, N, O, generator=g, dtype=torch.float64)
@@ -149,7 +149,7 @@ def pair():
 
 def test_streamed_statistics_fast_equal_plain(pair, monkeypatch):
     """accumulate through Pending (the fast path) and through Sums.add_ (KVT_PLAIN=1) give the same sums.
-    Guards: pending products never flushed into the sums, or flushed twice."""
+    Guards: pending products flushed twice (Pending.flush_ not clearing what it added)."""
     from tests.conftest import calib_of
     source, target = pair
     calib = calib_of(torch.randint(0, 128, (8, 20), generator=torch.Generator().manual_seed(2)))
