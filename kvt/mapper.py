@@ -105,25 +105,32 @@ class Mapper:
     def apply_fast(self, src_cache, positions=None, devices=None, dtype=None, room=0):
         """apply, faster: the source keys stripped straight into the features' layout (rope.rotate_into),
         each target layer's features gathered once into one buffer and mapped by one batched GEMM with
-        the bias (map_layer_fast), the target's RoPE written straight into the new cache, and `room`
-        slots after it so the target's next step appends in place (cache.append_in_place)."""
+        the bias, in the mapper's dtype (map_layer_fast: a bf16 mapper's GEMM accumulates in float32),
+        the target's RoPE written straight into the new cache, and `room` slots after it so the
+        target's next step appends in place (cache.append_in_place). Rotations run in float32 or
+        better and round once to their output's dtype."""
         s, t = self.src_cfg, self.tgt_cfg
         B, T = src_cache.positions.shape
         pos = src_cache.positions if positions is None else positions
         devices = [torch.device(d) for d in devices or self.devices(src_cache.keys[0].device)]
-        work = torch.promote_types(self.W["k"][0].dtype, torch.float32)
-        out_dtype = dtype or src_cache.keys[0].dtype
-        src_rope, tgt_rope = rotation(s, src_cache.positions, work, inverse=True), rotation(t, pos, work)
+        work, out_dtype = self.W["k"][0].dtype, dtype or src_cache.keys[0].dtype
+        exact = torch.promote_types(work, torch.float32)                     # what rotations compute in
+        src_rope, tgt_rope = rotation(s, src_cache.positions, exact, inverse=True), rotation(t, pos, exact)
         used = {kind: sorted(set(self.layers[kind].flatten().tolist())) for kind in KINDS}  # source layers read
         G, Bx, By = groups(s, t, self.scope)
 
+        def rotated(x, cos_sin, out):  # x rotated in `exact`, written into out, rounded once to out's dtype
+            if out.dtype == exact:
+                return rope.rotate_into(x.to(exact), *cos_sin, out=out)
+            return out.copy_(rope.rotate(x.to(exact), *cos_sin))
+
         def stripped(k):  # keys (B, Hkv, T, D), RoPE stripped, written straight into features (G, N, Bx)
             x = torch.empty(G, B * T, Bx, dtype=work, device=k.device)
-            rope.rotate_into(k.to(work), *src_rope(k.device), out=unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
+            rotated(k, src_rope(k.device), unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
             return x
 
         xs = {"k": {l: stripped(src_cache.keys[l]) for l in used["k"]},
-              "v": {l: layer_features(src_cache.values[l].to(work), self.scope).contiguous() for l in used["v"]}}
+              "v": {l: layer_features(src_cache.values[l].to(work), self.scope) for l in used["v"]}}
         keys, values = [None] * t.n_layers, [None] * t.n_layers
         for d in dict.fromkeys(devices):                                     # each device once, in layer order
             here = [l for l in range(t.n_layers) if devices[l] == d]
@@ -134,16 +141,17 @@ class Mapper:
                     buf = torch.empty(B, t.n_kv_heads, T + room, t.head_dim, dtype=out_dtype, device=d)
                     out[l] = buf[:, :, :T]                                   # (B, Hkv, T, D), room slots after it
                     y = unfeatures(self.map_layer_fast(kind, l, x), self.scope, B, T, t.n_kv_heads, t.head_dim)
-                    if kind == "k" and out_dtype == work:
-                        rope.rotate_into(y, *tgt_rope(d), out=out[l])        # the target's RoPE, written in place
-                    else:                                                    # one rounding to the cache's dtype
-                        out[l].copy_(rope.rotate(y, *tgt_rope(d)) if kind == "k" else y)
+                    if kind == "k":
+                        rotated(y, tgt_rope(d), out[l])                      # the target's RoPE, into the cache
+                    else:
+                        out[l].copy_(y)
         return Cache(keys, values, pos.to(devices[0]).clone(), src_cache.mask.to(devices[0]).clone(), room=room,
                      full=src_cache.full)
 
     def map_layer_fast(self, kind, l, xs):
         """map_layer, faster: the selected features copied once into one buffer, then x @ W + b as one
-        baddbmm (the sum over the k layers accumulates in float32 inside it)."""
+        baddbmm in the features' dtype (for bf16, the sum over the k layers accumulates in float32 inside
+        it and is rounded once)."""
         if self.mlp_mode:
             return self.map_layer(kind, l, xs)
         sel = self.layers[kind][l].tolist()
