@@ -33,11 +33,13 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias here) that takes one token as a matrix-vector product. A decode step and a
-    handoff's last prompt token have one row, and for bf16 weights on a CPU torch's one-row matmul is
-    slower than torch.mv (`python -m tests.bench_models --linear` times both for each weight)."""
+    """nn.Linear (no bias here), with a fast path for one token: a matrix-vector product. A decode step
+    and a handoff's last prompt token have one row, and torch's one-row matmul is slower than torch.mv
+    for bf16 weights on a CPU: 8 greedy tokens after 1K, qwen3-0.6b, bf16, shared 2-core AMD EPYC, took
+    1.34x as long without it (float32: 1.03x; `python -m tests.bench_fast decode --dtype bfloat16`).
+    KVT_PLAIN=1 (config.plain) leaves it out."""
     def forward(self, x):
-        if x.numel() == x.shape[-1] and self.bias is None:
+        if x.numel() == x.shape[-1] and self.bias is None and not plain():
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
         return super().forward(x)
 
