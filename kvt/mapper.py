@@ -8,14 +8,16 @@
 For target layer t and kind K (or V), with sel = the k selected source layers (layout in capture.py):
     x = source KV of layers sel, RoPE stripped        (G, N, k * Bx)
     y = x @ W[t] + b[t]                               (G, N, By)   batched over groups
-(as k batched matmuls, one per selected layer, so x is never gathered into a copy); then y is laid back
-out as (B, Hkv, T, D) and, for keys, rotated by the target's RoPE at the target positions.
+then y is laid back out as (B, Hkv, T, D) and, for keys, rotated by the target's RoPE at the target
+positions: Mapper.apply, in float32 whatever the cache's dtype. Mapper.apply_fast is its twin with the
+same signature and result (tests/test_fast.py): fewer passes over memory, one GEMM per target layer in
+the mapper's dtype, the cache written in place (tutorial section 11).
 Head scope (G = Hkv): head h from head h of the selected layers. Layer scope (G = 1): every head from
 all heads of the selected layers, which also maps between different KV shapes.
 
 Placement: place() puts the weights for target layer l on the device of target layer l (one GPU or
-several); apply then maps layer l there, moving each source layer's KV at most once to each device that
-needs it, and the mapped cache's layer l lives there, where the target's layer l will read it. An
+several); apply then maps layer l there (apply_fast moves each source layer's KV at most once to each
+device that needs it), and the mapped cache's layer l lives there, where the target's layer l will read it. An
 unplaced mapper stays where it was made (the CPU) and every apply would copy its weights over again.
 """
 import hashlib
