@@ -14,6 +14,11 @@ For each context length n and each direction (source -> target):
   last step GB/s   the bytes that step reads (last_step_bytes) over its time
   copy GB/s        a plain copy's rate, timed in turn with the rest (copier): about the most the
                    last step can reach on this device at that time
+  roofline         the speedup if the map ran at the prefill's FLOP rate and the last step read its
+                   bytes at the copy's rate, both measured in the same rounds; reached: the fraction of
+                   it the transfer reaches, per round (median, min-max)
+  plain transfer s (with --both) the transfer on the plain path (mapper.apply, the cache concatenated),
+                   timed in the same rounds; --plain times everything on the plain path (config.plain)
   + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
                    mapped slots itself (handoff.Recompute; timed on the last f of the slots, since
                    the cost depends on their number, not on which ones attention would choose)
@@ -28,6 +33,7 @@ built in turn and only their caches are kept between them.
 """
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -37,8 +43,8 @@ import torch
 from tqdm import tqdm
 
 from kvt.cache import keep_freed_memory
+from kvt.config import KvtError, at_least, command, parse_pair, plain, shape
 from kvt.dist import check_devices
-from kvt.config import KvtError, at_least, command, parse_pair, shape
 from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper
 from kvt.model import Transformer, build_model, layer_devices
@@ -237,11 +243,20 @@ def transfer_step(target, mapper, cache, ids, n, frac=0.0):
 def map_step(target, mapper, cache, ids, n):
     """The first part of transfer_step alone: mapper.apply, as take_over calls it. What is left of the
     transfer is the target's last-token step, bound by reading its weights, not by FLOPs."""
-    return mapper.apply(cache.crop(0, n - 1), devices=layer_devices(target), dtype=next(target.parameters()).dtype,
-                        room=1)
+    apply = mapper.apply if plain() else mapper.apply_fast
+    return apply(cache.crop(0, n - 1), devices=layer_devices(target), dtype=next(target.parameters()).dtype, room=1)
 
 
-def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, itemsize=None, copies=None):
+def roofline_per_round(prefill, transfer, copy, map_share, last_bytes, copy_bytes):
+    """(median, min, max) over rounds of the fraction of the roofline a transfer reaches: that round's
+    map at its prefill's FLOP rate (prefill * map_share, map FLOPs over prefill FLOPs) plus the last
+    step's bytes at its copy's rate, over its transfer time. Three Timings taken in turn (median_times)."""
+    fr = [(p * map_share + last_bytes * c / copy_bytes) / t
+          for p, t, c in zip(prefill.times, transfer.times, copy.times, strict=True)]
+    return statistics.median(fr), min(fr), max(fr)
+
+
+def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, itemsize=None, copies=None, plain=None):
     """Table rows, per length both directions: prefill {name: {n: s}}, transfer {(src, tgt): {n: s}},
     recompute {(src, tgt): {frac: {n: s}}} (transfer plus recomputing frac of the slots), mapping
     {(src, tgt): {n: s}} (mapper.apply alone, the part of the transfer before the target's last step),
@@ -251,8 +266,12 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
     rest of the transfer, the target's last-token step, took what it took. That step reads every weight
     of the target for one token, so memory bandwidth, not FLOPs, sets its time: what flop_limit leaves
     out. last_gbs (with mapping and itemsize): the rate at which that step reads, last_step_bytes over
-    its time (last_step_s); copy_gbs (with copies): a plain copy's rate, taken in turn with it."""
+    its time (last_step_s); copy_gbs (with copies): a plain copy's rate, taken in turn with it.
+    roofline (with mapping, itemsize and copies): the speedup if the map ran at the prefill's FLOP rate
+    and the last step at the copy's rate; of_roofline: the fraction reached per round
+    (roofline_per_round). plain {(src, tgt): {n: s}}: the transfer on the plain path (plain_transfer_s)."""
     out, recompute, mapping, itemsize, copies = [], recompute or {}, mapping or {}, itemsize or {}, copies or {}
+    plain = plain or {}
     for n in next(iter(prefill.values())):
         for (src, tgt), t in transfer.items():
             m = mappers[src, tgt]
@@ -262,6 +281,7 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
             last_bytes = last_step_bytes(m.tgt_cfg, n, itemsize.get((src, tgt), 0))
             copy_s, copy_bytes = copies.get((src, tgt), {}).get(n, (None, 0))
             step = map_s and last_step_s(t[n], map_s)  # not positive when noise outweighs the step: no rate then
+            roof = copy_s and last_bytes and prefill[tgt][n] / (map_at_prefill_rate + last_bytes * copy_s / copy_bytes)
             out.append({"direction": f"{src} -> {tgt}", "tokens": n, "source_prefill_s": prefill[src][n],
                         "target_prefill_s": prefill[tgt][n], "transfer_s": t[n], "speedup": speedup,
                         "speedup_per_round": per_round(prefill[tgt][n], t[n]),
@@ -271,6 +291,11 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
                         "rate_limit": prefill[tgt][n] / (map_at_prefill_rate + step) if map_s and step > 0 else None,
                         "last_gbs": last_bytes / step / 1e9 if map_s and last_bytes and step > 0 else None,
                         "copy_gbs": copy_s and copy_bytes / copy_s / 1e9,
+                        "roofline": roof,
+                        "of_roofline": roof and roofline_per_round(prefill[tgt][n], t[n], copy_s,
+                                                                   map_at_prefill_rate / prefill[tgt][n],
+                                                                   last_bytes, copy_bytes),
+                        "plain_transfer_s": plain.get((src, tgt), {}).get(n),
                         "prefill_flops": flops[0], "transfer_flops": flops[1], "mapper_mb": m.nbytes() / 2**20,
                         "peak_gb": peak_memory_gb(device),
                         "recompute_s": {str(f): ts[n] for f, ts in recompute.get((src, tgt), {}).items()}})
@@ -278,15 +303,15 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
 
 
 def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, names=("small", "large"),
-          fracs=()):
+          fracs=(), both=False):
     """Rows of timings (seconds) for small -> large with mapper `fwd`, and large -> small with `back`;
-    fracs: recompute budgets to time as well."""
+    fracs: recompute budgets to time as well; both: the plain path's transfer too."""
     models = dict(zip(names, (small, large)))
-    return bench_lean(models.get, names, fwd, back, lengths, repeats, fracs)
+    return bench_lean(models.get, names, fwd, back, lengths, repeats, fracs, both)
 
 
 @torch.no_grad()
-def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, fracs=()):
+def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, fracs=(), both=False):
     """bench() for a pair too large to hold together: build(name) makes each model in turn (small, large,
     then small again for `back`) and only one cache of each is kept, so memory peaks at the larger model
     plus the two caches. The same rows, timed in the same order in one process. The contexts are drawn
@@ -297,7 +322,7 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     device = next(small.parameters()).device
     reset_peak_memory(device)                                     # peak_gb: the bench's own peak
     ids = token_ids(lengths, small.config.vocab_size, device)
-    prefill, transfer, recompute, mapping, itemsize, copies = {}, {}, {}, {}, {}, {}
+    prefill, transfer, recompute, mapping, itemsize, copies, plain = {}, {}, {}, {}, {}, {}, {}
     copy, copy_bytes = copier(device)
     mappers = {(names[0], names[1]): fwd}
     if back is None:  # else the way back times the small model's prefill, beside its transfers
@@ -314,9 +339,12 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
             fns = [lambda: target(ids[:, :n], last=True), lambda: transfer_step(target, mapper, cache, ids, n),
                    lambda: map_step(target, mapper, cache, ids, n), copy]
             fns += [lambda f=f: transfer_step(target, mapper, cache, ids, n, f) for f in fracs]
+            fns += [on_plain_path(lambda: transfer_step(target, mapper, cache, ids, n))] if both else []
             prefill.setdefault(tgt, {})[n], transfer[src, tgt][n], mapping[src, tgt][n], copy_s, *rc = \
                 median_times(fns, device, repeats)
             copies[src, tgt][n] = copy_s, copy_bytes
+            if both:
+                plain.setdefault((src, tgt), {})[n] = rc.pop()
             for f, t in zip(fracs, rc):
                 recompute[src, tgt][f][n] = t
 
@@ -327,17 +355,31 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     if back is not None:
         mappers[names[1], names[0]] = back
         both(build(names[0]), back, c_large, names[1], names[0])
-    return rows(prefill, transfer, mappers, device, recompute, mapping, itemsize, copies)
+    return rows(prefill, transfer, mappers, device, recompute, mapping, itemsize, copies, plain)
+
+
+def on_plain_path(fn):
+    """fn, run with KVT_PLAIN=1 (config.plain) and the environment restored after."""
+    def run():
+        before = os.environ.get("KVT_PLAIN")
+        os.environ["KVT_PLAIN"] = "1"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("KVT_PLAIN") if before is None else os.environ.update(KVT_PLAIN=before)
+    return run
 
 
 def format_rows(rows):
     """A markdown table of bench rows."""
     fracs = list(rows[0].get("recompute_s", {})) if rows else []
+    plain = bool(rows and rows[0].get("plain_transfer_s"))
+    pct = lambda m: f"{100 * m[0]:.0f}% ({100 * m[1]:.0f}-{100 * m[2]:.0f})" if m else "-"  # noqa: E731
     out = ["| direction | tokens | source prefill s | target prefill s (min-max) | transfer s (min-max) | speedup "
            "| per round (min-max) | of which map s | FLOP limit | reached | at prefill's rate | last step GB/s "
-           "| copy GB/s | mapper MB |"
-           + "".join(f" + {float(f):.0%} recompute s |" for f in fracs),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(fracs)]
+           "| copy GB/s | roofline | reached per round (min-max) | mapper MB |"
+           + "".join(f" + {float(f):.0%} recompute s |" for f in fracs) + (" plain transfer s |" if plain else ""),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(fracs) + plain)]
     rounds = lambda m: f"{m[0]:.1f}x ({m[1]:.1f}-{m[2]:.1f})"  # noqa: E731
     span = lambda r, k: f"{r[k + '_s']:.3f} ({r[k + '_range'][0]:.3f}-{r[k + '_range'][1]:.3f})"  # noqa: E731
     dash = lambda x, fmt, unit="": "-" if x is None else f"{x:{fmt}}{unit}"  # noqa: E731
@@ -347,8 +389,10 @@ def format_rows(rows):
                    f"| {r.get('map_s') or float('nan'):.3f} "
                    f"| {r['flop_limit']:.1f}x | {100 * r['of_limit']:.0f}% "
                    f"| {dash(r.get('rate_limit'), '.1f', 'x')} | {dash(r.get('last_gbs'), '.1f')} "
-                   f"| {r.get('copy_gbs') or float('nan'):.1f} "
-                   f"| {r['mapper_mb']:.1f} |" + "".join(f" {r['recompute_s'][f]:.3f} |" for f in fracs))
+                   f"| {r.get('copy_gbs') or float('nan'):.1f} | {dash(r.get('roofline'), '.1f', 'x')} "
+                   f"| {pct(r.get('of_roofline'))} | {r['mapper_mb']:.1f} |"
+                   + "".join(f" {r['recompute_s'][f]:.3f} |" for f in fracs)
+                   + (f" {r['plain_transfer_s']:.3f} |" if plain else ""))
     if any(r.get("map_s") and r.get("last_gbs") is None for r in rows):
         out += ["", "-: a round's transfer minus its map (the last step), median over rounds, was not positive: the "
                 "step is shorter than the timing noise here, so no rate is given; time longer contexts or more rounds "
@@ -369,6 +413,8 @@ def main(argv=None):
                     help="default: bfloat16 on a GPU or a CPU with bf16 units (bench.bf16_units), else float32")
     ap.add_argument("--lean", action="store_true", help="hold one model at a time (a pair too large for memory)")
     ap.add_argument("--recompute", default="", help="also time transfer + recomputing these fractions, e.g. 0.05,0.25")
+    ap.add_argument("--plain", action="store_true", help="time every step's plain path (= KVT_PLAIN=1)")
+    ap.add_argument("--both", action="store_true", help="also time the plain path's transfer, in the same rounds")
     ap.add_argument("--json", type=Path, help="also write the rows, settings and processor here (kvt figures scaling)")
     args = ap.parse_args(argv)
     at_least("k", args.k, why=" (source layers per target layer; the paper uses 8)")
@@ -386,7 +432,9 @@ def main(argv=None):
         raise KvtError(f"--recompute {args.recompute!r}: give comma-separated fractions of the prompt in (0, 1], "
                        "e.g. 0.05,0.25")
     check_devices([args.device])
-    keep_freed_memory()                # both sides alike: a cache of the last one's size costs no page faults
+    keep_freed_memory()                # process-wide, both sides alike: a cache of the last one's size costs no page faults
+    if args.plain:
+        os.environ["KVT_PLAIN"] = "1"  # config.plain(): every step's plain path
     names = parse_pair(args.pair)
     args.dtype = args.dtype or default_dtype(args.device)
     dtype = getattr(torch, args.dtype)
@@ -394,16 +442,18 @@ def main(argv=None):
     fwd = random_mapper(shape(names[0]), shape(names[1]), args.scope, args.k, dtype, args.device)
     back = random_mapper(shape(names[1]), shape(names[0]), args.scope, args.k, dtype, args.device, seed=1)
     if args.lean:
-        table = bench_lean(build, names, fwd, back, lengths, args.repeats, fracs)
+        table = bench_lean(build, names, fwd, back, lengths, args.repeats, fracs, args.both)
     else:
-        table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names, fracs)
-    print(f"{args.pair}, {args.scope} scope, k={args.k}, {args.dtype} on {hardware(args.device)}; median of "
+        table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names, fracs, args.both)
+    print(f"{args.pair}, {args.scope} scope, k={args.k}, {args.dtype}{', plain path' if plain() else ''} on "
+          f"{hardware(args.device)}; median of "
           f"{args.repeats} after a warm-up{', one model at a time' if args.lean else ''}; "
           f"peak memory {max(r['peak_gb'] for r in table):.1f} GiB")
     print(format_rows(table))
     if args.json:
         args.json.write_text(json.dumps({"pair": args.pair, "scope": args.scope, "k": args.k, "dtype": args.dtype,
-                                         "hardware": hardware(args.device), "repeats": args.repeats, "rows": table},
+                                         "hardware": hardware(args.device), "repeats": args.repeats,
+                                         "plain": plain(), "rows": table},
                                         indent=1))
 
 

@@ -93,15 +93,14 @@ class Cache:
                      None, n, self.full)
 
 
-def append(past, new, room):
-    """past (B, Hkv, T, D) followed by new (B, Hkv, t, D): written in place into past's buffer when the
-    cache owns room for it (see the module docstring), else concatenated into a new tensor."""
-    T, t = past.shape[2], new.shape[2]
-    if room >= t:  # past is the first T slots of a longer buffer: the same strides, T + t long, reach into it
-        whole = past.as_strided((*past.shape[:2], T + t, past.shape[3]), past.stride(), past.storage_offset())
-        whole[:, :, T:] = new                                          # k_out[:, :, input_pos] = k_val
-        return whole
-    return torch.cat([past, new], dim=2)
+def append_in_place(past, new):
+    """The fast path's cache update: past (B, Hkv, T, D) followed by new (B, Hkv, t, D), written in place
+    into past's buffer, which must own room for t more slots (reserve; see the module docstring). The
+    plain update, torch.cat([past, new], dim=2), copies all T slots at every step."""
+    T, t = past.shape[2], new.shape[2]      # past is the first T slots of a longer buffer: the same strides,
+    whole = past.as_strided((*past.shape[:2], T + t, past.shape[3]), past.stride(), past.storage_offset())
+    whole[:, :, T:] = new                   # T + t long, reach into it: k_out[:, :, input_pos] = k_val
+    return whole
 
 
 def empty(n_layers, batch, device=None):

@@ -43,6 +43,13 @@ def at_least(name, value, least=1, why=""):
         raise KvtError(f"--{name} {value}: must be at least {least}{why}")
 
 
+def plain():
+    """Whether to run the plain path of every step (KVT_PLAIN=1, or --plain on run.py and kvt bench): the
+    method as the tutorial writes it, the same results within each dtype's tolerance, slower. By default
+    the callers (handoff, generate, calibration statistics) take each step's fast twin."""
+    return os.environ.get("KVT_PLAIN", "0") not in ("", "0")
+
+
 ARCHITECTURES = {  # config.json "architectures"[0] -> family
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",

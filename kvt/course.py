@@ -83,14 +83,13 @@ class Assignment:
 
 ASSIGNMENTS = {
     "rope": Assignment("RoPE as pure functions", (3,), (
-        Graded("rope.rotate", 3, 3, "the rotation of each plane (i, i + D/2), written into a given buffer"),
+        Graded("rope.rotate", 3, 3, "the rotation of each plane (i, i + D/2): x cos + rotate_half(x) sin"),
         Graded("rope.apply", 1, 3, "RoPE at given positions, from frequencies and YaRN's scale"),
         Graded("rope.strip", 3, 3, "the exact inverse: rotation by -position, the scale divided out"),
         Graded("rope._llama3", 2, 3, "Llama 3.1's frequencies: keep the high, divide the low, blend between"),
         Graded("rope._yarn", 3, 3, "YaRN's frequencies and attention factor (Ministral 3)"))),
     "ridge": Assignment("The normal equations, streamed", (4, 6), (
-        Graded("stats.Pending.add_", 2, 4, "sufficient statistics streamed batch by batch, centered for precision"),
-        Graded("stats.Sums.add_shifted_", 3, 4, "the shift's share added back exactly: sums of x from sums of x - m"),
+        Graded("stats.Sums.add_", 2, 4, "sufficient statistics streamed batch by batch: float64 sums of products"),
         Graded("ridge.eigen", 3, 6, "centered covariances, standardized features, one eigendecomposition"),
         Graded("ridge.weights", 2, 6, "ridge at any lambda from the eigendecomposition, and the bias"),
         Graded("ridge.sse", 3, 4, "held-out squared error from sums alone, without the tokens"),
@@ -153,9 +152,7 @@ def rope_inputs(dtype=torch.float32):
 def case_rotate():
     x, pos, inv = rope_inputs()
     cos, sin = rope.cos_sin(pos, inv, 1.0, x.dtype)
-    buf = torch.zeros(2, 3, 8, 16)                                   # a cache buffer with 3 free slots
-    rope.rotate(x, cos, sin, out=buf[:, :, :5])
-    return {"y": rope.rotate(x, cos, sin), "buffer": buf}
+    return {"y": rope.rotate(x, cos, sin), "scaled": rope.rotate(x, *rope.cos_sin(pos, inv, 1.25, x.dtype))}
 
 
 @case("rope.apply")
@@ -199,18 +196,17 @@ def planted(G=2, N=300, F=6, O=3, mean=2.0, seed=0):
 
 def sums(x, y):
     s = stats.Sums.zeros(x.shape[0], x.shape[2], y.shape[2])
-    s.add_(x, y, f64)
+    s.add_(x, y)
     return s
 
 
-@case("stats.Pending.add_")
-@case("stats.Sums.add_shifted_")
+@case("stats.Sums.add_")
 def case_add():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 100, 5, generator=g) + 1000.0                 # (G, N, F): a mean 1000 x the spread
     y = x[..., :3] * 2 - 1500.0 + torch.randn(2, 100, 3, generator=g)
     s = stats.Sums.zeros(2, 5, 3)
-    s.add_(x[:, :60], y[:, :60])                                     # two batches, float32 products
+    s.add_(x[:, :60], y[:, :60])                                     # two batches
     s.add_(x[:, 60:], y[:, 60:])
     mx, my = s.sx / s.n, s.sy / s.n
     return {"gram": s.gram(), "xy": s.xy, "sx": s.sx, "sy": s.sy, "syy": s.syy, "n": s.n,   # then what the fit
@@ -417,17 +413,12 @@ ABOUT = {
         "else mscale(factor, mscale) / mscale(factor, mscale_all_dim) if both are given, else mscale(factor), "
         "with mscale(s, m) = 0.1 m ln s + 1 (1 for s <= 1): recipe 0's scale is 1.1218, 1's 1.2079, 2's 1.5",
         {f"inv_freq{i}": "i" for i in range(3)}),
-    "stats.Pending.add_": About(
+    "stats.Sums.add_": About(
         "x (G=2, N=100, F=5) with a mean 1000 times its spread, y (2, 100, 3) = 2 x[..., :3] - 1500 + noise, "
-        "added in two batches of 60 and 40 tokens with float32 products",
-        "center each batch on the shift (the first batch's mean) before multiplying in float32, so the "
-        "covariances that subtract two large numbers keep their digits",
-        {"gram": "G F F", "xy": "G F O", "sx": "G F", "sy": "G O", "syy": "G O", "cov_xx": "G F F",
-         "cov_xy": "G F O", "var_y": "G O"}),
-    "stats.Sums.add_shifted_": About(
-        "the same two batches as stats.Pending.add_ (means near 1000, float32 products)",
-        "sums of x from sums of x - m: sum x x^T = sum (x-m)(x-m)^T + m (sum (x-m))^T + (sum (x-m)) m^T + n m m^T, "
-        "and likewise for x y^T, x, y and y^2",
+        "added in two batches of 60 and 40 tokens (float32 tensors, float64 sums)",
+        "cast x and y to the sums' dtype (float64) first, then add x^T x, x^T y, the column sums of x and y, "
+        "the sum of y^2 and the token count: in float32 the covariances, which subtract two large numbers, "
+        "lose their digits",
         {"gram": "G F F", "xy": "G F O", "sx": "G F", "sy": "G O", "syy": "G O", "cov_xx": "G F F",
          "cov_xy": "G F O", "var_y": "G O"}),
     "ridge.eigen": About(

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvt import rope
-from kvt.config import KvtError
+from kvt.config import KvtError, plain
 from kvt.model import layer_devices
 
 
@@ -95,11 +95,13 @@ def handoff(source, target, mapper, ids, mask=None, recompute=Recompute()):
 @torch.no_grad()
 def take_over(target, mapper, src_cache, last_ids, last_mask=None, slots=None, slot_ids=None):
     """The target's side of a handoff (what kvt.bench times): map the source's cache of the first T - 1
-    prompt tokens into a cache of the target's, with room for one more slot, recompute `slots` (their
+    prompt tokens into a cache of the target's, recompute `slots` (their
     token ids slot_ids (B, n)) with the target when given, and run the last prompt token (B, 1) on it,
-    appending its K and V in place. Returns (logits (B, 1, V), Cache of T slots)."""
+    appending its K and V after them. Returns (logits (B, 1, V), Cache of T slots). Takes the mapper's
+    fast twin (apply_fast: room for the last token, appended in place) unless config.plain()."""
     dtype, device = _dtype_device(target)
-    cache = mapper.apply(src_cache, devices=layer_devices(target), dtype=dtype, room=1)
+    apply = mapper.apply if plain() else mapper.apply_fast
+    cache = apply(src_cache, devices=layer_devices(target), dtype=dtype, room=1)
     if slots is not None and len(slots):
         _, cache = target(slot_ids.to(device), cache=cache, slots=slots.to(device), last=True)
     return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device))
@@ -152,7 +154,7 @@ def diagnose(source, target, mapper, ids, cuts=4):
     for seq in ids:
         _, src = source(seq[None].to(next(source.parameters()).device), last=True)
         own_logits, true = target(seq[None].to(device), queries=True)
-        mapped = mapper.apply(src, devices=layer_devices(target), dtype=dtype)
+        mapped = (mapper.apply if plain() else mapper.apply_fast)(src, devices=layer_devices(target), dtype=dtype)
         for l in range(L):
             k_true, k_map = (rope.strip(k, true.positions.to(k.device), inv, scale)
                              for k in (true.keys[l], mapped.keys[l]))

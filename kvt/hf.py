@@ -25,7 +25,7 @@ transformers is imported here only, and only when this file is.
 import torch
 
 from kvt.cache import Cache
-from kvt.config import KvtError, config_from_dict
+from kvt.config import KvtError, config_from_dict, plain
 from kvt.mapper import Mapper
 from kvt.model import check_ids
 
@@ -109,5 +109,5 @@ def transfer(source, target, mapper, input_ids, attention_mask=None):
                  position_ids=pos[:, :-1].to(source.device))
     src_cache = to_kvt(getattr(src, CACHE), pos[:, :-1].to(source.device), mask[:, :-1].to(source.device))  # T - 1 slots
     devices = [next(layer.parameters()).device for layer in target.get_decoder().layers]  # each layer's cache there
-    mapped = mapper.apply(src_cache, devices=devices, dtype=target.dtype)
+    mapped = (mapper.apply if plain() else mapper.apply_fast)(src_cache, devices=devices, dtype=target.dtype)
     return {CACHE: to_hf(mapped), **state}

@@ -8,14 +8,16 @@
 For target layer t and kind K (or V), with sel = the k selected source layers (layout in capture.py):
     x = source KV of layers sel, RoPE stripped        (G, N, k * Bx)
     y = x @ W[t] + b[t]                               (G, N, By)   batched over groups
-(as k batched matmuls, one per selected layer, so x is never gathered into a copy); then y is laid back
-out as (B, Hkv, T, D) and, for keys, rotated by the target's RoPE at the target positions.
+then y is laid back out as (B, Hkv, T, D) and, for keys, rotated by the target's RoPE at the target
+positions: Mapper.apply, in float32 whatever the cache's dtype. Mapper.apply_fast is its twin with the
+same signature and result (tests/test_fast.py): fewer passes over memory, one GEMM per target layer in
+the mapper's dtype, the cache written in place (tutorial section 11).
 Head scope (G = Hkv): head h from head h of the selected layers. Layer scope (G = 1): every head from
 all heads of the selected layers, which also maps between different KV shapes.
 
 Placement: place() puts the weights for target layer l on the device of target layer l (one GPU or
-several); apply then maps layer l there, moving each source layer's KV at most once to each device that
-needs it, and the mapped cache's layer l lives there, where the target's layer l will read it. An
+several); apply then maps layer l there (apply_fast moves each source layer's KV at most once to each
+device that needs it), and the mapped cache's layer l lives there, where the target's layer l will read it. An
 unplaced mapper stays where it was made (the CPU) and every apply would copy its weights over again.
 """
 import hashlib
@@ -58,70 +60,111 @@ class Mapper:
         positions (B, T) long: where the target's RoPE puts the mapped keys (default: the source's).
         devices: where to map and keep each target layer (e.g. layer_devices(target)); default: where
         place() put the mapper's weights, or else the source cache's device. Positions and mask go to
-        devices[0], beside the target's embedding. Computes in the mapper's dtype (float32 unless moved
-        with .to) and returns the cache in `dtype` (default: the source cache's). room: slots the new
-        cache owns after its T (cache.reserve), so the target's next step appends in place (handoff
-        asks for 1: the last prompt token)."""
+        devices[0], beside the target's embedding. Computes in float32 (float64 for a float64 mapper)
+        and returns the cache in `dtype` (default: the source cache's). room: slots the new cache owns
+        after its T, so the target's next step appends in place; only the fast twin (apply_fast) makes
+        them: here the target's next step concatenates."""
         s, t = self.src_cfg, self.tgt_cfg
         B, T = src_cache.positions.shape
         pos = src_cache.positions if positions is None else positions
         devices = [torch.device(d) for d in devices or self.devices(src_cache.keys[0].device)]
-        dtype, out_dtype = self.W["k"][0].dtype, dtype or src_cache.keys[0].dtype
-        src_rope, tgt_rope = rotation(s, src_cache.positions, dtype, inverse=True), rotation(t, pos, dtype)
+        work = torch.promote_types(self.W["k"][0].dtype, torch.float32)       # the map's own precision
+        out_dtype = dtype or src_cache.keys[0].dtype
+        src_inv, src_scale = rope.frequencies(s)
+        tgt_inv, tgt_scale = rope.frequencies(t)
+        free = {"k": [rope.strip(k.to(work), src_cache.positions.to(k.device), src_inv, src_scale)
+                      for k in src_cache.keys],                                # L x (B, Hkv, T, D), position-free
+                "v": [v.to(work) for v in src_cache.values]}
+        keys, values = [], []
+        for l, d in enumerate(devices):
+            for kind, out in (("k", keys), ("v", values)):
+                xs = {i: layer_features(free[kind][i].to(d), self.scope) for i in self.layers[kind][l].tolist()}
+                y = self.map_layer(kind, l, xs)                                # (G, N, By), N = B * T
+                y = unfeatures(y, self.scope, B, T, t.n_kv_heads, t.head_dim)  # (B, Hkv, T, D)
+                if kind == "k":
+                    y = rope.apply(y, pos.to(d), tgt_inv, tgt_scale)           # the target's RoPE
+                out.append(y.to(out_dtype))
+        return Cache(keys, values, pos.to(devices[0]).clone(), src_cache.mask.to(devices[0]).clone(),
+                     full=src_cache.full)
+
+    def map_layer(self, kind, l, xs):
+        """Target layer l's K or V (G, N, By) from the source layers' features xs[src] (G, N, Bx) (a list
+        over all source layers, or a dict holding the selected ones), in float32 (float64 for float64
+        features): the k selected layers side by side, times W plus b, plus the MLP where there is one."""
+        work = torch.promote_types(xs[self.layers[kind][l][0].item()].dtype, torch.float32)
+        x = torch.cat([xs[src].to(work) for src in self.layers[kind][l].tolist()], dim=-1)  # (G, N, k*Bx)
+        y = 0
+        if self.mlp_mode != "replace":                                         # ridge
+            y = x @ self.W[kind][l].to(x) + self.b[kind][l].to(x)[:, None]     # (G, N, k*Bx) @ (G, k*Bx, By)
+        if self.mlp_mode:                                                      # the MLP backstop
+            p = {name: w[l].to(x) for name, w in self.mlp[kind].items()}
+            G, N = x.shape[:2]
+            y = y + unflat(mlp_.forward(p, flat(x.view(G, N, len(self.layers[kind][l]), -1))), G)
+        return y
+
+    # ---- the fast path: apply's twin, same signature, same result (tests/test_fast.py) ------------------
+
+    @torch.no_grad()
+    def apply_fast(self, src_cache, positions=None, devices=None, dtype=None, room=0):
+        """apply, faster: the source keys stripped straight into the features' layout (rope.rotate_into),
+        each target layer's features gathered once into one buffer and mapped by one batched GEMM with
+        the bias, in the mapper's dtype (map_layer_fast: a bf16 mapper's GEMM accumulates in float32),
+        the target's RoPE written straight into the new cache, and `room` slots after it so the
+        target's next step appends in place (cache.append_in_place). Rotations run in float32 or
+        better and round once to their output's dtype."""
+        s, t = self.src_cfg, self.tgt_cfg
+        B, T = src_cache.positions.shape
+        pos = src_cache.positions if positions is None else positions
+        devices = [torch.device(d) for d in devices or self.devices(src_cache.keys[0].device)]
+        work, out_dtype = self.W["k"][0].dtype, dtype or src_cache.keys[0].dtype
+        exact = torch.promote_types(work, torch.float32)                     # what rotations compute in
+        src_rope, tgt_rope = rotation(s, src_cache.positions, exact, inverse=True), rotation(t, pos, exact)
         used = {kind: sorted(set(self.layers[kind].flatten().tolist())) for kind in KINDS}  # source layers read
         G, Bx, By = groups(s, t, self.scope)
 
+        def rotated(x, cos_sin, out):  # x rotated in `exact`, written into out, rounded once to out's dtype
+            if out.dtype == exact:
+                return rope.rotate_into(x.to(exact), *cos_sin, out=out)
+            return out.copy_(rope.rotate(x.to(exact), *cos_sin))
+
         def stripped(k):  # keys (B, Hkv, T, D), RoPE stripped, written straight into features (G, N, Bx)
-            x = torch.empty(G, B * T, Bx, dtype=dtype, device=k.device)
-            rope.rotate(k.to(dtype), *src_rope(k.device), out=unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
+            x = torch.empty(G, B * T, Bx, dtype=work, device=k.device)
+            rotated(k, src_rope(k.device), unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
             return x
 
         xs = {"k": {l: stripped(src_cache.keys[l]) for l in used["k"]},
-              "v": {l: layer_features(src_cache.values[l].to(dtype), self.scope).contiguous() for l in used["v"]}}
-        # contiguous features, made once here: a cache made elsewhere (transformers' own) is laid out
-        # (B, T, Hkv, D), a crop or a reserve is a view into a longer buffer, and bmm copies a strided input on
-        # every use, k times per source layer (with the scratch buffer below, a one-off profile at 4K tokens,
-        # qwen3-0.6b -> 1.7b head scope, bf16: 1.47 s -> 0.94 s). kvt's own caches are (B, Hkv, T, D) in memory.
+              "v": {l: layer_features(src_cache.values[l].to(work), self.scope) for l in used["v"]}}
         keys, values = [None] * t.n_layers, [None] * t.n_layers
-        direct = self.scope == "head" and B == 1 and out_dtype == dtype      # the map writes values into the cache
         for d in dict.fromkeys(devices):                                     # each device once, in layer order
             here = [l for l in range(t.n_layers) if devices[l] == d]
             for kind, out in (("k", keys), ("v", values)):
                 need = sorted({src for l in here for src in self.layers[kind][l].tolist()})
                 x = {src: xs[kind][src].to(d) for src in need}               # each source layer moved once to d
-                scratch = torch.empty(G, B * T, By, dtype=dtype, device=d)   # reused: fresh memory costs page faults
                 for l in here:
                     buf = torch.empty(B, t.n_kv_heads, T + room, t.head_dim, dtype=out_dtype, device=d)
                     out[l] = buf[:, :, :T]                                   # (B, Hkv, T, D), room slots after it
-                    if kind == "v" and direct:                               # (Hkv, T, D) is the features' layout
-                        self.map_layer(kind, l, x, out=out[l][0])
-                        continue
-                    y = unfeatures(self.map_layer(kind, l, x, out=scratch), self.scope, B, T, t.n_kv_heads, t.head_dim)
+                    y = unfeatures(self.map_layer_fast(kind, l, x), self.scope, B, T, t.n_kv_heads, t.head_dim)
                     if kind == "k":
-                        rope.rotate(y, *tgt_rope(d), out=out[l])             # the target's RoPE, written in place
+                        rotated(y, tgt_rope(d), out[l])                      # the target's RoPE, into the cache
                     else:
                         out[l].copy_(y)
         return Cache(keys, values, pos.to(devices[0]).clone(), src_cache.mask.to(devices[0]).clone(), room=room,
                      full=src_cache.full)
 
-    def map_layer(self, kind, l, xs, out=None):
-        """Target layer l's K or V from the source layers' features xs[src] (G, N, Bx) (a list over all
-        source layers, or a dict holding the selected ones): (G, N, By), written into `out` when given."""
+    def map_layer_fast(self, kind, l, xs):
+        """map_layer, faster: the selected features copied once into one buffer, then x @ W + b as one
+        baddbmm in the features' dtype (for bf16, the sum over the k layers accumulates in float32 inside
+        it and is rounded once)."""
+        if self.mlp_mode:
+            return self.map_layer(kind, l, xs)
         sel = self.layers[kind][l].tolist()
         x0 = xs[sel[0]]
-        y = 0
-        if self.mlp_mode != "replace":
-            W, b = self.W[kind][l].to(x0), self.b[kind][l].to(x0)           # (G, k*Bx, By), (G, By)
-            bx = W.shape[1] // len(sel)
-            for i, src in enumerate(sel):  # x @ W + b as a sum over the selected layers: no gathered copy of x
-                w = W[:, i * bx:(i + 1) * bx]                               # (G, Bx, By): this layer's rows
-                y = torch.baddbmm(b[:, None, :], xs[src], w, out=out) if i == 0 else y.baddbmm_(xs[src], w)
-        if self.mlp_mode:
-            p = {name: w[l].to(x0) for name, w in self.mlp[kind].items()}
-            x = torch.stack([xs[src] for src in sel], 2)                    # (G, N, k, Bx)
-            y = y + unflat(mlp_.forward(p, flat(x)), x.shape[0])
-            y = y if out is None else out.copy_(y)
-        return y
+        G, N, Bx = x0.shape
+        x = torch.empty(G, N, len(sel) * Bx, dtype=x0.dtype, device=x0.device)
+        for i, src in enumerate(sel):
+            x[:, :, i * Bx:(i + 1) * Bx] = xs[src]                          # (G, N, k*Bx)
+        W, b = self.W[kind][l].to(x), self.b[kind][l].to(x)                  # (G, k*Bx, By), (G, By)
+        return torch.baddbmm(b[:, None, :], x, W)                           # (G, N, By)
 
     def n_params(self):
         return sum(t.numel() for t in self._floats())

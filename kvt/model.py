@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvt import rope
-from kvt.cache import Cache, append, empty
-from kvt.config import Config, KvtError, load_config, shape
+from kvt.cache import Cache, append_in_place, empty
+from kvt.config import Config, KvtError, load_config, plain, shape
 from kvt.weights import check_checkpoint, check_outline, load_weights
 
 
@@ -33,11 +33,13 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias here) that takes one token as a matrix-vector product. A decode step and a
-    handoff's last prompt token have one row, and for bf16 weights on a CPU torch's one-row matmul is
-    slower than torch.mv (`python -m tests.bench_models --linear` times both for each weight)."""
+    """nn.Linear (no bias here), with a fast path for one token: a matrix-vector product. A decode step
+    and a handoff's last prompt token have one row, and torch's one-row matmul is slower than torch.mv
+    for bf16 weights on a CPU: 8 greedy tokens after 1K, qwen3-0.6b, bf16, shared 2-core AMD EPYC, took
+    1.34x as long without it (float32: 1.03x; `python -m tests.bench_fast decode --dtype bfloat16`).
+    KVT_PLAIN=1 (config.plain) leaves it out."""
     def forward(self, x):
-        if x.numel() == x.shape[-1] and self.bias is None:
+        if x.numel() == x.shape[-1] and self.bias is None and not plain():
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
         return super().forward(x)
 
@@ -70,8 +72,10 @@ class Attention(nn.Module):
         if slots is not None:   # recompute: this pass's own keys and values replace the cached ones there
             past_k[:, :, slots], past_v[:, :, slots] = k, v
             k, v = past_k, past_v                                           # (B, Hkv, S, D)
-        elif past_k is not None:  # the cache update: append this step's keys and values (in place with room)
-            k, v = append(past_k, k, room), append(past_v, v, room)        # (B, Hkv, S, D)
+        elif room >= T:           # fast path: written into the free slots the cache owns (cache.reserve)
+            k, v = append_in_place(past_k, k), append_in_place(past_v, v)  # (B, Hkv, S, D)
+        elif past_k is not None:  # the cache update: this step's keys and values after the cached ones
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # (B, Hkv, S, D)
         causal = attn_mask is None and past_k is None                       # a plain prefill
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
                                            enable_gqa=self.H != self.Hkv)   # (B, H, T, D)
@@ -291,14 +295,16 @@ def build_model(cfg, dtype=torch.float32, device="cpu", seed=0, std=0.02):
 @torch.no_grad()
 def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=None, logprobs=None):
     """Greedy decoding from a prefilled state: `logits` (B, V) are the last position's, `cache` holds
-    the context (it is not modified: decoding appends to a copy that owns room for every new token).
+    the context (it is not modified: each step concatenates, or on the fast path appends in place to one
+    copy that owns room for every new token).
     Stops a row at a token in stop_ids or once decode(row tokens) contains a stop string.
     Returns a list of B token lists, without the stop token; a stop string stays in the text (callers cut it).
     logprobs: a list of B empty lists, to be filled with the log-probability of each token returned."""
     B = logits.shape[0]
     out = [[] for _ in range(B)]
     done = [False] * B
-    cache = cache.reserve(max(0, max_new_tokens - 1))              # one copy now, none per step
+    if not plain():  # fast path: one copy now that owns room for every step, then appends in place
+        cache = cache.reserve(max(0, max_new_tokens - 1))
     for step in range(max_new_tokens):
         nxt = logits.argmax(-1)                                    # (B,)
         if logprobs is not None:                                   # (B,): log softmax at the chosen token

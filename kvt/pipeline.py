@@ -127,6 +127,8 @@ def parse_args(argv=None):
     ap.add_argument("--candidates", type=int, help="consider only this many evenly spaced source layers")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--plain", action="store_true", help="run every step's plain path (= KVT_PLAIN=1): the method "
+                    "as tutorial.md writes it, to step through with a debugger; the same results, slower")
     ap.add_argument("--out", type=Path, help="output folder (default: runs/<src>_<tgt>)")
     return ap.parse_args(argv)
 
@@ -464,7 +466,9 @@ def main(argv=None):
     empty output folder behind (a folder with a checkpoint in it stays: the rerun resumes from it)."""
     args = parse_args(argv)
     check_args(args)
-    keep_freed_memory()
+    keep_freed_memory()                          # process-wide: glibc keeps freed blocks for the next cache
+    if args.plain:
+        os.environ["KVT_PLAIN"] = "1"            # read by config.plain() in every step
     src_dir, tgt_dir, src_name, tgt_name = resolve(args)
     out = args.out or Path("runs") / f"{src_name}_{tgt_name}"
     created, threads = not out.exists(), torch.get_num_threads()

@@ -88,24 +88,15 @@ def cos_sin(pos, inv_freq, scale, dtype):
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
-def rotate(x, cos, sin, out=None):
-    """x (B, H, T, D) rotated by precomputed cos_sin (the model computes them once per forward):
-    x * cos + rotate_half(x) * sin, written plane by plane (channels i and i + D/2),
+def rotate_half(x):
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dim: the plane (i, i + D/2) turned by 90 degrees."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
 
-        out[:D/2] = x1 * cos - x2 * sin        out[D/2:] = x2 * cos + x1 * sin
 
-    in three passes (x * cos over the whole width, then one multiply-add per half) with no concatenated
-    or negated copy of x. out: where to write (a cache buffer, say; any strides, any float dtype, not x
-    itself); default a new tensor."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[..., :half], sin[..., :half]                            # cos_sin repeats each angle for both halves
-    if out is None and x.requires_grad:                                # training: autograd cannot follow out=
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    out = torch.mul(x, cos, out=torch.empty_like(x) if out is None else out)
-    out[..., :half].addcmul_(x2, s, value=-1)
-    out[..., half:].addcmul_(x1, s)
-    return out
+def rotate(x, cos, sin):
+    """x (B, H, T, D) rotated by precomputed cos_sin (the model computes them once per forward)."""
+    return x * cos + rotate_half(x) * sin
 
 
 def apply(x, pos, inv_freq, scale=1.0):
@@ -122,3 +113,21 @@ def strip(y, pos, inv_freq, scale=1.0):
     work = torch.promote_types(y.dtype, torch.float32)
     cos, sin = cos_sin(pos, inv_freq, scale, work)
     return (rotate(y.to(work), cos, -sin) / (cos * cos + sin * sin)).to(y.dtype)
+
+
+# ---- the fast path (tested equal to rotate in tests/test_fast.py) ---------------------------------------
+
+def rotate_into(x, cos, sin, out):
+    """rotate(x, cos, sin) written into `out` (a cache buffer, say; any strides, any float dtype, not x
+    itself) plane by plane, with no concatenated or negated copy of x:
+
+        out[:D/2] = x1 * cos - x2 * sin        out[D/2:] = x2 * cos + x1 * sin
+
+    Three passes: x * cos over the whole width, then one multiply-add per half."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    s = sin[..., :half]                                                # cos_sin repeats each angle for both halves
+    torch.mul(x, cos, out=out)
+    out[..., :half].addcmul_(x2, s, value=-1)
+    out[..., half:].addcmul_(x1, s)
+    return out

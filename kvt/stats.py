@@ -13,15 +13,18 @@ the calibration data serves layer selection and the final fit. Sums are plain te
 objects add by tensor addition, and a checkpoint is those tensors in a safetensors file, so a resumed
 calibration is bit-identical to an unbroken one.
 
-Precision and speed. Features are centered on a shift m before their products are taken, and the
-shift's share is added back exactly in the sums' dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T +
-s m^T  (xc = x - m, s = sum xc). The big products then run in float32 (fast) on numbers of the size of
-the features' spread, not of their mean, so features with a large mean lose nothing; the sums are
-float64. Sums.add_ centers one batch on its own mean. Streaming (accumulate) centers every FLUSH tokens
-of batches on the first one's mean (Pending); on a CPU it holds their float32 products apart and adds
-them to the float64 sums once per flush, since converting and adding them batch by batch cost as much
-as the products themselves (on a GPU that memory goes to the statistics instead). products=float64
-and float32 sums (dtype=torch.float32, half the memory) are options.
+The plain path (Sums.add_) is those sums, nothing else: each batch's products in float64, added.
+
+The fast path (add_batch's default, tested equal within float32's tolerance in tests/test_fast.py).
+Features are centered on a shift m before their products are taken, and the shift's share is added
+back exactly in the sums' dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T + s m^T  (xc = x - m,
+s = sum xc). The big products then run in float32 (fast) on numbers of the size of the features'
+spread, not of their mean, so features with a large mean lose nothing; only the upper part of the
+symmetric xx is computed. Streaming centers every FLUSH tokens of batches on the first one's mean
+(Pending); on a CPU it holds their float32 products apart and adds them to the float64 sums once per
+flush, since converting and adding them batch by batch cost as much as the products themselves (on a
+GPU that memory goes to the statistics instead). products=float64 and float32 sums
+(dtype=torch.float32, half the memory) are options.
 
 Two splits: "fit" (calibration's fit region) and "val" (its validation region, data.Calibration),
 kept as separate sums; layer selection and lambda are chosen on "val". Diagnostics use a third region
@@ -42,7 +45,7 @@ from tqdm import tqdm
 
 from kvt import dist
 from kvt.capture import capture, features
-from kvt.config import KvtError, check_matched_kv, matched_kv
+from kvt.config import KvtError, check_matched_kv, matched_kv, plain
 from kvt.weights import write_safetensors
 
 KINDS = ("k", "v")
@@ -57,9 +60,9 @@ FORMAT = "kvt-stats-2"  # 2: fit/val regions of disjoint documents, target-layer
 class Sums:
     """Sums over tokens for one kind (K or V) and one split; G groups, F features, O outputs.
 
-    xx = sum x x^T is symmetric, so only its upper part is accumulated (rows in chunks of CHUNK features,
-    each from its own diagonal on: about half the work); gram() fills in the rest when it is read."""
-    xx: torch.Tensor   # (G, F, F)  upper part of sum x x^T
+    xx = sum x x^T is symmetric: gram() reads only its upper part, so the fast path accumulates only
+    that (rows in chunks of CHUNK features, each from its own diagonal on: about half the work)."""
+    xx: torch.Tensor   # (G, F, F)  sum x x^T (the fast path: its upper part)
     xy: torch.Tensor   # (G, F, O)
     sx: torch.Tensor   # (G, F)
     sy: torch.Tensor   # (G, O)
@@ -71,9 +74,39 @@ class Sums:
         shapes = [(G, F, F), (G, F, O), (G, F), (G, O), (G, O), ()]
         return Sums(*(torch.zeros(s, dtype=dtype, device=device) for s in shapes))
 
-    def add_(self, x, y, products=torch.float32):
-        """Add tokens x (G, N, F) and y (G, N, O), centered on their batch mean (see the module
-        docstring): the products in `products`, the mean's share added back in the sums' dtype."""
+    def add_(self, x, y):
+        """Add tokens x (G, N, F) and y (G, N, O): their products in the sums' dtype (float64), summed."""
+        x, y = x.to(self.xx.dtype), y.to(self.xx.dtype)
+        self.xx += x.transpose(1, 2) @ x                                   # (G, F, N) @ (G, N, F)
+        self.xy += x.transpose(1, 2) @ y                                   # (G, F, N) @ (G, N, O)
+        self.sx += x.sum(1)
+        self.sy += y.sum(1)
+        self.syy += (y * y).sum(1)
+        self.n += x.shape[1]
+        return self
+
+    def gram(self):
+        """The full symmetric sum x x^T (G, F, F) from its upper part (the fast path fills only that)."""
+        return self.xx.triu() + self.xx.triu(1).transpose(1, 2)
+
+    def __add__(self, other):
+        return Sums(*(getattr(self, f) + getattr(other, f) for f in FIELDS))
+
+    def select(self, fi, oi=slice(None)):
+        """The sums of a sub-fit, in float64 whatever the sums' dtype: feature indices fi (ascending, so
+        xx keeps its upper part), output indices oi (default all outputs)."""
+        assert bool((fi[1:] > fi[:-1]).all()), "feature indices must ascend"
+        return Sums(*(t.double() for t in (self.xx[:, fi][:, :, fi], self.xy[:, fi][:, :, oi], self.sx[:, fi],
+                                           self.sy[:, oi], self.syy[:, oi], self.n)))
+
+    def tensors(self):
+        return [getattr(self, f) for f in FIELDS]
+
+    # ---- the fast path (module docstring) ---------------------------------------------------------------
+
+    def add_fast_(self, x, y, products=torch.float32):
+        """add_, faster: x and y centered on their batch mean, the products in `products` (upper part of
+        xx only), the mean's share added back in the sums' dtype."""
         return Pending(self, products, hold=False).add_(x, y).flush_()
 
     def add_raw_(self, x, y):
@@ -116,23 +149,6 @@ class Sums:
         self.syy += other.syy.to(dt) + (2 * syc + n * my)[:, 0] * my[:, 0]  # sum (yc + m)^2
         self.n += other.n.to(self.n.dtype)
         return self
-
-    def gram(self):
-        """The full symmetric sum x x^T (G, F, F) from its upper part (unchanged if already full)."""
-        return self.xx.triu() + self.xx.triu(1).transpose(1, 2)
-
-    def __add__(self, other):
-        return Sums(*(getattr(self, f) + getattr(other, f) for f in FIELDS))
-
-    def select(self, fi, oi=slice(None)):
-        """The sums of a sub-fit, in float64 whatever the sums' dtype: feature indices fi (ascending, so
-        xx keeps its upper part), output indices oi (default all outputs)."""
-        assert bool((fi[1:] > fi[:-1]).all()), "feature indices must ascend"
-        return Sums(*(t.double() for t in (self.xx[:, fi][:, :, fi], self.xy[:, fi][:, :, oi], self.sx[:, fi],
-                                           self.sy[:, oi], self.syy[:, oi], self.n)))
-
-    def tensors(self):
-        return [getattr(self, f) for f in FIELDS]
 
 
 def holds(device, dtype, products=torch.float32):
@@ -239,16 +255,20 @@ def groups(src_cfg, tgt_cfg, scope):
 
 
 def add_batch(stats, split, src_kv, tgt_kv, pending, products=torch.float32):
-    """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split, through
-    `pending` (the caller's dict of Pending, one per sums; flush(pending) completes the sums). What is
-    pending for the other split is flushed first, so one split's products are held at a time. Layers of
-    models split across devices (model.place) are brought to the statistics' device."""
+    """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split: plain
+    (config.plain()), Sums.add_; else the fast path, through `pending` (the caller's dict of Pending, one
+    per sums; flush(pending) completes the sums), what is pending for the other split flushed first, so
+    one split's products are held at a time. Layers of models split across devices (model.place) are
+    brought to the statistics' device."""
     device = stats.part("k", split).xx.device
     flush(p for name, p in pending.items() if not name.endswith(split))
     for i, kind in enumerate(KINDS):
         x = features([src_kv[i][l].to(device) for l in stats.src_layers], stats.scope)  # (G, N, Ls, Bx)
         y = features([tgt_kv[i][l].to(device) for l in stats.tgt_layers], stats.scope)  # (G, N, Lt, By)
         name = f"{kind}.{split}"
+        if plain():
+            stats.sums[name].add_(x.flatten(2), y.flatten(2))                # (G, N, Ls*Bx), (G, N, Lt*By)
+            continue
         pending.setdefault(name, Pending(stats.sums[name], products)).add_(x.flatten(2), y.flatten(2))
 
 

@@ -98,6 +98,35 @@ def test_copy_rate_counts_bytes_read_and_written():
     assert row["copy_gbs"] == pytest.approx(moved / 0.25 / 1e9)
 
 
+def test_roofline_prices_the_map_at_the_prefills_rate_and_the_last_step_at_the_copys():
+    """A transfer whose map runs at the prefill's FLOP rate and whose last step reads its bytes at the
+    copy's rate reaches 100% of the roofline, in every round (the rounds' prefills and copies differ);
+    one whose last step takes twice that, less. Guards: the last step priced at its measured time (the
+    rate limit, which hides its shortfall), or a round's fraction taken from another round's times."""
+    cfg, fwd, n = LARGE, random_mapper(SMALL, LARGE, k=2), 16
+    moved, last = 2 * 2**20, B.last_step_bytes(LARGE, n, 4)
+    prefill, copy = B.Timing([10.0, 20.0, 12.0]), B.Timing([1e-3, 3e-3, 2e-3])
+    share = 2 * fwd.n_params() * (n - 1) / B.prefill_flops(cfg, n)              # map FLOPs / prefill FLOPs
+
+    def row(slow):
+        transfer = B.Timing([p * share + slow * last * c / moved for p, c in zip(prefill.times, copy.times)])
+        return B.rows({"s": {n: prefill}, "l": {n: prefill}}, {("s", "l"): {n: transfer}}, {("s", "l"): fwd}, "cpu",
+                      itemsize={("s", "l"): 4}, copies={("s", "l"): {n: (copy, moved)}})[0]
+    at, slow = row(1), row(2)
+    assert at["of_roofline"] == pytest.approx((1.0, 1.0, 1.0))
+    assert slow["of_roofline"][0] < 1 and at["roofline"] == pytest.approx(12.0 / (12.0 * share + last * 2e-3 / moved))
+    assert "roofline" in B.format_rows([at])
+
+
+def test_both_paths_are_timed_in_the_same_rounds():
+    """bench(both=True) times the plain path's transfer beside the fast one, and the table shows it.
+    Guards: the column left empty, or the plain path's time taken from the fast path's runs."""
+    small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
+    rows = bench(small, large, random_mapper(SMALL, LARGE, k=2), None, [16], repeats=1, names=("s", "l"), both=True)
+    assert rows[0]["plain_transfer_s"] > 0 and rows[0]["plain_transfer_s"] is not rows[0]["transfer_s"]
+    assert "plain transfer s" in B.format_rows(rows)
+
+
 def test_the_timed_recompute_is_a_handoff_with_that_budget():
     """transfer_step with frac recomputes the last frac of the mapped slots, as handoff does with
     Recompute(frac=frac, by="suffix"); and the rows carry its time for each budget. Guards: timing a

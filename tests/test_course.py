@@ -194,7 +194,7 @@ def test_mapped_keys_without_the_targets_rope_cost_applys_points(solutions, tmp_
     """Guards: Mapper.apply leaving mapped keys position-free passing, or costing handoff's points too
     (handoff calls apply: it must be graded with the reference apply)."""
     folder = plant(solutions, tmp_path, "mapper", "kvt/mapper.py",
-                   "rope.rotate(y, *tgt_rope(d), out=out[l])", "out[l].copy_(y)")
+                   "y = rope.apply(y, pos.to(d), tgt_inv, tgt_scale)", "y = y")
     assert_costs_exactly(folder, "mapper.Mapper.apply", capsys)
 
 

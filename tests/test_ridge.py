@@ -25,7 +25,7 @@ def planted(G=2, N=400, F=12, O=5, noise=0.0, seed=0):
 
 
 def sums(x, y):
-    return Sums.zeros(x.shape[0], x.shape[2], y.shape[2]).add_(x, y, torch.float64)
+    return Sums.zeros(x.shape[0], x.shape[2], y.shape[2]).add_(x, y)
 
 
 def assert_close(actual, expected, what, atol):

@@ -182,12 +182,13 @@ def test_head_scope_refuses_mismatched_kv(pair):
 
 
 def test_upper_part_of_the_gram_spans_chunks():
-    """xx is accumulated as its upper part in chunks of CHUNK features; gram() and select() restore it."""
+    """The fast path accumulates xx as its upper part in chunks of CHUNK features; gram() and select()
+    restore it."""
     from kvt.stats import CHUNK
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 300, 2 * CHUNK + 76, generator=g, dtype=torch.float64)
     s = Sums.zeros(2, x.shape[2], 3)
-    s.add_(x[:, :100], x[:, :100, :3], torch.float64).add_(x[:, 100:], x[:, 100:, :3], torch.float64)
+    s.add_fast_(x[:, :100], x[:, :100, :3], torch.float64).add_fast_(x[:, 100:], x[:, 100:, :3], torch.float64)
     full = x.transpose(1, 2) @ x
     assert ((s.gram() - full).abs().max() <= 1e-10 * full.abs().max()), "gram() differs from x^T x"
     fi = torch.tensor([3, CHUNK - 1, CHUNK + 5, 2 * CHUNK + 70])                # crosses chunk boundaries
@@ -220,7 +221,7 @@ def test_products_not_held_give_the_held_statistics(pair, monkeypatch):
 
 def test_float32_products_keep_float64_accuracy_on_features_with_a_large_mean():
     """Features with mean 100 and std 1: the ridge fit from float32 products is as accurate as from
-    float64 ones, batch by batch (Sums.add_) and streamed (Pending: several batches on one shift, here
+    float64 ones, batch by batch (Sums.add_fast_) and streamed (Pending: several batches on one shift, here
     drifting away from it). Guards: float32 products of uncentered features (their mean swamps their
     spread: a W error of 3.6e-2 against 1e-3), and a wrong correction for the shift."""
     from kvt import ridge
@@ -239,7 +240,7 @@ def test_float32_products_keep_float64_accuracy_on_features_with_a_large_mean():
             if products == "pending":                                       # the mean drifts by 1 a batch,
                 pending.add_(x.float() + i, (y + i * W.sum(1)).float())    # away from the first batch's
             else:
-                s.add_(x.float(), y.float(), products)
+                s.add_fast_(x.float(), y.float(), products)
         errs[products] = (ridge.solve(pending.flush_(), 1e-9)[0] - W).abs().max().item()
     assert errs[torch.float64] < 3e-3, errs
     assert errs[torch.float32] < 1.5 * errs[torch.float64] and errs["pending"] < 1.5 * errs[torch.float64], errs

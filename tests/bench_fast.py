@@ -1,0 +1,126 @@
+"""Each fast-path trick against the plain path, timed in one process in interleaved rounds (a warm-up round,
+then `--repeats`; medians, and the ratio per round): the figures behind tutorial section 11's list.
+
+    python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs apply_fast
+    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # generate: append in place vs torch.cat, torch.mv
+    python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: Pending vs Sums.add_
+
+Random weights of named shapes (apply: qwen3-0.6b -> 1.7b, k = 8; stats: tests/test_mapper_bench.py's pair,
+forward passes included, a flush's worth of batches).
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import kvt
+from kvt import rope
+from kvt.bench import random_mapper
+from kvt.cache import Cache
+from kvt.capture import capture
+from kvt.config import Config, shape
+from kvt.stats import FLUSH, add_batch, flush, new_stats
+
+
+def plain_path(on):
+    os.environ["KVT_PLAIN"] = "1" if on else "0"
+
+
+def race(fns, repeats):
+    """Interleaved rounds of every fn; prints each one's median (min-max) and its time over the first's, per round."""
+    times = {name: [] for name in fns}
+    for i in range(repeats + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    first = next(iter(times.values()))
+    for name, t in times.items():
+        ratio = statistics.median(a / b for a, b in zip(t, first))
+        print(f"| {name} | {statistics.median(t):.3f} ({min(t):.3f}-{max(t):.3f}) | {ratio:.3f} |", flush=True)
+
+
+def apply_fns(scope, n, dtype):
+    s, t = shape("qwen3-0.6b"), shape("qwen3-1.7b")
+    m = random_mapper(s, t, scope, 8, dtype)
+    g = torch.Generator().manual_seed(0)
+    kv = [torch.randn(1, s.n_kv_heads, n, s.head_dim, generator=g).to(dtype) for _ in range(s.n_layers)]
+    cache = Cache(kv, kv, torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool), full=True)
+    fast_rotate = rope.rotate_into
+
+    def without_rotate_into():
+        rope.rotate_into = lambda x, cos, sin, out: out.copy_(rope.rotate(x, cos, sin))
+        try:
+            m.apply_fast(cache, room=1)
+        finally:
+            rope.rotate_into = fast_rotate
+    return {"apply_fast": lambda: m.apply_fast(cache, room=1), "apply (plain)": lambda: m.apply(cache, room=1),
+            "apply_fast without rotate_into": without_rotate_into}
+
+
+def decode_fns(name, n, steps, dtype):
+    model = kvt.build_model(name, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    logits, cache = model(ids, last=True)
+
+    def run(plain, mv=False):
+        def go():
+            plain_path(plain)
+            linear = torch.nn.Linear.forward
+            if mv:  # one token through a weight as torch.mv (a trick kvt dropped: under 5% here)
+                torch.nn.Linear.forward = lambda self, x: (torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
+                                                           if x.numel() == x.shape[-1] else linear(self, x))
+            try:
+                kvt.generate(model, logits[:, -1], cache, steps)
+            finally:
+                torch.nn.Linear.forward = linear
+                plain_path(False)
+        return go
+    return {"generate (fast: reserve, append_in_place)": run(False), "generate (plain: torch.cat)": run(True),
+            "generate (fast) + torch.mv for one row": run(False, mv=True)}
+
+
+def stats_fns(n):
+    r = {"rope_type": "default", "rope_theta": 1000000.0}
+    src = Config("qwen3", 32000, 512, 14, 8, 4, 128, 1536, 1e-6, r)
+    tgt = Config("qwen3", 32000, 1024, 14, 8, 4, 128, 3072, 1e-6, r)
+    source, target = kvt.build_model(src, seed=0), kvt.build_model(tgt, seed=1)
+    ids = torch.randint(0, 32000, (1, n), generator=torch.Generator().manual_seed(0))
+
+    def stream(plain):
+        def go():
+            plain_path(plain)
+            st, pending = new_stats(src, tgt, "head"), {}
+            for _ in range(max(1, FLUSH // n)):
+                add_batch(st, "fit", capture(source, ids), capture(target, ids), pending)
+            flush(pending.values())
+            plain_path(False)
+        return go
+    return {"statistics (fast: Pending)": stream(False), "statistics (plain: Sums.add_)": stream(True)}
+
+
+@torch.no_grad()
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["apply", "decode", "stats"])
+    ap.add_argument("--scope", default="head", choices=["head", "layer"])
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    fns = {"apply": lambda: apply_fns(args.scope, args.tokens, dtype),
+           "decode": lambda: decode_fns(args.shape, args.tokens, args.steps, dtype),
+           "stats": lambda: stats_fns(args.tokens)}[args.what]()
+    print(f"{args.what}, {args.tokens} tokens, {args.dtype}, {torch.get_num_threads()} threads; median (min-max) "
+          f"of {args.repeats} after a warm-up\n| what | s | / first, per round |\n|---|---|---|")
+    race(fns, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
