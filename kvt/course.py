@@ -379,12 +379,11 @@ BHTD = "B H T D"
 CACHE = {"keys": "L B Hkv T D", "values": "L B Hkv T D", "positions": "B T", "mask": "B T"}
 ABOUT = {
     "rope.rotate": About(
-        f"{ROPE_X}, scale 1; y = rotate(x, cos, sin); buffer: a zero (2, 3, 8, 16) tensor whose first 5 slots "
-        "are passed as out=",
-        "plane i is channels (i, i + D/2), not (2i, 2i + 1): y[..., :D/2] = x1 cos - x2 sin and y[..., D/2:] = "
-        "x2 cos + x1 sin, with x1, x2 the halves of x and cos, sin as cos_sin makes them (each angle twice); "
-        "with out= given, write into it, return it, and leave the 3 slots after it at zero",
-        {"y": BHTD, "buffer": BHTD}),
+        f"{ROPE_X}; y = rotate(x, cos, sin) with cos, sin = cos_sin(pos, inv_freq, 1); scaled: the same with scale "
+        "1.25 (cos and sin both carry it)",
+        "plane i is channels (i, i + D/2), not (2i, 2i + 1): y = x cos + rotate_half(x) sin, rotate_half(x) = "
+        "(-x2, x1) with x1, x2 the halves of x, and cos, sin as cos_sin makes them (each angle twice)",
+        {"y": BHTD, "scaled": BHTD}),
     "rope.apply": About(
         f"per_row: {ROPE_X}, scale 1.25; shared: the same x at row 0's positions given as a (T,) tensor, scale 1",
         "apply is rotate with cos_sin(pos, inv_freq, scale, x.dtype): cos_sin takes (B, T) or (T,) positions and "

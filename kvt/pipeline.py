@@ -37,7 +37,6 @@ import math
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -35,7 +35,6 @@ Task records (plain dicts, in the field names the evals use for real data sets):
 """
 import argparse
 import json
-import math
 import os
 import random
 import time

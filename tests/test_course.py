@@ -119,11 +119,10 @@ def test_a_failure_says_the_case_where_it_differs_and_a_hint(solutions, tmp_path
     plane check that cannot tell a wrong plane layout (neighbors (2i, 2i + 1)) from wrong angles."""
     folder = overridden(solutions, tmp_path, "rope", "kvt/rope.py", """
 
-def rotate(x, cos, sin, out=None):  # planted: planes (2i, 2i + 1)
+def rotate(x, cos, sin):  # planted: planes (2i, 2i + 1)
     half = x.shape[-1] // 2
     x1, x2, c, s = x[..., 0::2], x[..., 1::2], cos[..., :half], sin[..., :half]
-    y = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], -1).flatten(-2)
-    return y if out is None else out.copy_(y)
+    return torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], -1).flatten(-2)
 
 
 def strip(y, pos, inv_freq, scale=1.0):  # planted: the scale not divided out
@@ -135,7 +134,7 @@ def strip(y, pos, inv_freq, scale=1.0):  # planted: the scale not divided out
     assert [line.split()[3] for line in printed.splitlines() if "FAIL" in line] == ["rope.rotate", "rope.strip"]
     for words in ("y (2, 3, 5, 16) = (B, H, T, D)", "channels (D) all 16", "positions (2, 5) drawn from 0-2999",
                   "scale 1", "is your plane (2i, 2i + 1)?", "hint: plane i is channels (i, i + D/2)",
-                  "buffer (2, 3, 8, 16) = (B, H, T, D)", "positions (T) 0-4 of 8"):
+                  "scaled (2, 3, 5, 16) = (B, H, T, D)", "positions (T) all 5"):
         assert words in printed, f"{words!r} not in:\n{printed}"
     assert "every plane (i, i + D/2) is 1.562 times the reference's length: a scale" in printed, printed
     assert "scale 1.25" in printed and "hint: strip(y, p) rotates back by -p" in printed, printed

@@ -172,11 +172,12 @@ def four_layer_pair():
 def test_split_across_cpu_and_meta_keeps_each_layer_with_its_kv():
     """On cpu + meta (meta: a device without values, where mixing devices in one op is an error):
     every layer's KV, and the mapper's output for every target layer, stays with that layer, and the
-    mapper moves each source layer's features at most once to a device that needs them."""
+    mapper's fast path moves each source layer's features at most once to a device that needs them
+    (the plain path, Mapper.apply, keeps every layer with its KV too)."""
     src, tgt, mapper = four_layer_pair()
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
     _, whole = src(ids)
-    unsplit = mapper.apply(whole)
+    unsplit = mapper.apply_fast(whole)
     for m in (src, tgt):
         place(m, ["cpu", "meta"])
         assert [d.type for d in layer_devices(m)] == ["cpu", "cpu", "meta", "meta"]
@@ -184,8 +185,10 @@ def test_split_across_cpu_and_meta_keeps_each_layer_with_its_kv():
     assert logits.device.type == "meta" and [k.device.type for k in cache.keys] == ["cpu", "cpu", "meta", "meta"]
     placed = mapper.place(layer_devices(tgt))
     assert [w.device.type for w in placed.W["k"]] == ["cpu", "cpu", "meta", "meta"]
+    plain = placed.apply(cache)
+    assert [k.device.type for k in plain.keys] == [v.device.type for v in plain.values] == ["cpu", "cpu", "meta", "meta"]
     with Moves() as log:
-        mapped = placed.apply(cache)
+        mapped = placed.apply_fast(cache)
     assert [k.device.type for k in mapped.keys] == ["cpu", "cpu", "meta", "meta"]
     assert [v.device.type for v in mapped.values] == ["cpu", "cpu", "meta", "meta"]
     assert mapped.positions.device.type == mapped.mask.device.type == "cpu"   # beside the target's embedding
