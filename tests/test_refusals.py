@@ -326,13 +326,14 @@ def test_ctrl_c_says_a_rerun_resumes(world, tmp_path):
     args = argv(world, out=tmp_path / "run")
     args[args.index("--calib-seqs") + 1] = "400"                    # long enough to be interrupted
     p = subprocess.Popen([sys.executable, "run.py"] + args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                         text=True, cwd=ROOT)
-    deadline = time.time() + 60
-    while not list((tmp_path / "run").glob("*")) and time.time() < deadline:  # the plan is printed by now
-        time.sleep(0.2)
-    time.sleep(3)                                                   # into the models or the calibration
+                         cwd=ROOT)
+    seen = b""
+    while b"calibration stats" not in seen:                          # calibrating now: its progress bar
+        chunk = p.stderr.read1(4096)
+        assert chunk, f"the run ended before calibrating: {seen.decode()[-500:]}"
+        seen += chunk
     p.send_signal(signal.SIGINT)
-    err = p.communicate(timeout=60)[1].strip().splitlines()
+    err = (seen + p.communicate(timeout=60)[1]).decode().strip().splitlines()
     assert p.returncode == 130 and err[-1] == "kvt: interrupted; run the same command again to resume where it stopped"
 
 
