@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 import kvt
-from kvt import dist, evals, pipeline, scoring, tasks, toy
+from kvt import dist, evals, pipeline, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
@@ -70,12 +70,11 @@ def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, ca
     when it is there, else calibrated and saved there (pipeline.get_mapper)."""
     args = pipeline.parse_args(["--source", str(src_dir), "--target", str(tgt_dir), "--out", str(out)]
                                + (["--data-dir", str(data_dir)] if data_dir else []))
-    is_toy = Path(src_dir).name.startswith("toy-")  # the defaults of pipeline.run, for a pair
-    args.calib = [Path(calib)] if calib else [] if is_toy else [args.data_dir / c for c in pipeline.REAL_CALIB]
-    args.calib_seqs = calib_seqs or (200 if is_toy else 500)
-    args.calib_len = calib_len or (256 if is_toy else 1024)
+    is_toy = Path(src_dir).name.startswith("toy-")
+    args.calib, args.calib_seqs, args.calib_len = [Path(calib)] if calib else [], calib_seqs or None, calib_len or None
+    pipeline.calibration_defaults(args, is_toy)                       # the defaults of pipeline.run, for a pair
     seqs = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed,
-                                 documents=toy.corpus(2000, seed=99) if is_toy and not calib else None)
+                                 documents=pipeline.toy_calibration_text(args, is_toy))
     skey = pipeline.stats_key(args, Path(src_dir), Path(tgt_dir), seqs)
     Path(out).mkdir(parents=True, exist_ok=True)
     mapper, _ = pipeline.get_mapper(args, source, target, tok, seqs, Path(out), skey, dtype)

@@ -481,12 +481,25 @@ def main(argv=None):
         torch.set_num_threads(threads)
 
 
-def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
-    t0 = time.time()
-    is_toy = src_name.startswith("toy-") or args.tasks is not None and args.tasks.startswith("toy_")
+def calibration_defaults(args, is_toy):
+    """Fill in what the user left out of the calibration: the text (none for a toy pair: the toy corpus,
+    toy_calibration_text; else WikiText-2 and Gutenberg under --data-dir), 200 x 256 tokens for a toy pair
+    (the length its models are trained on), the paper's 500 x 1024 for any other."""
     args.calib = args.calib or ([] if is_toy else [args.data_dir / c for c in REAL_CALIB])
     args.calib_seqs = (200 if is_toy else 500) if args.calib_seqs is None else args.calib_seqs
     args.calib_len = (256 if is_toy else 1024) if args.calib_len is None else args.calib_len
+
+
+def toy_calibration_text(args, is_toy):
+    """The toy corpus's documents to calibrate a toy pair on when no --calib is given (seed 99: unseen
+    in training, which used seed 0), else None."""
+    return toy.corpus(2000, seed=99) if is_toy and not args.calib else None
+
+
+def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
+    t0 = time.time()
+    is_toy = src_name.startswith("toy-") or args.tasks is not None and args.tasks.startswith("toy_")
+    calibration_defaults(args, is_toy)
     args.limit = (200 if is_toy else 500) if args.limit is None else args.limit
     origin = {}  # task name -> the task file that defined it
     for f in args.task_file:  # the user's tasks, registered before --tasks is read
@@ -519,7 +532,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     for cfg, folder in ((src_cfg, src_dir), (tgt_cfg, tgt_dir)):  # the configs' sizes feed the memory plan: check
         check_weights(cfg, folder)                                   # them against the weights' headers first
     items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
-    toy_text = toy.corpus(2000, seed=99) if is_toy and not args.calib else None  # unseen in training (seed 0)
+    toy_text = toy_calibration_text(args, is_toy)
     missing = [str(p) for p in args.calib if not Path(p).exists()]
     if missing and not is_toy and args.calib == [args.data_dir / c for c in REAL_CALIB]:
         raise KvtError(f"no calibration text at {', '.join(missing)}; point --data-dir (or KVT_DATA) at a data folder "
