@@ -107,11 +107,11 @@ class Mapper:
     @torch.no_grad()
     def apply_fast(self, src_cache, positions=None, devices=None, dtype=None, room=0):
         """apply, faster: the source keys stripped straight into the features' layout (rope.rotate_into),
-        each target layer's features gathered once into one buffer and mapped by one batched GEMM with
-        the bias, in the mapper's dtype (map_layer_fast: a bf16 mapper's GEMM accumulates in float32),
-        the target's RoPE written straight into the new cache, and `room` slots after it so the
-        target's next step appends in place (cache.append_in_place). Rotations run in float32 or
-        better and round once to their output's dtype."""
+        then each target layer mapped tile by tile (map_layer_fast: the k selected layers' features of
+        TILE tokens side by side, one batched GEMM with the bias in the mapper's dtype, the target's RoPE,
+        written straight into the new cache), and `room` slots after it so the target's next step
+        appends in place (cache.append_in_place). A bf16 mapper's GEMM accumulates in float32;
+        rotations run in float32 or better and round once to their output's dtype."""
         s, t = self.src_cfg, self.tgt_cfg
         B, T = src_cache.positions.shape
         pos = src_cache.positions if positions is None else positions
@@ -122,14 +122,9 @@ class Mapper:
         used = {kind: sorted(set(self.layers[kind].flatten().tolist())) for kind in KINDS}  # source layers read
         G, Bx, By = groups(s, t, self.scope)
 
-        def rotated(x, cos_sin, out):  # x rotated in `exact`, written into out, rounded once to out's dtype
-            if out.dtype == exact:
-                return rope.rotate_into(x.to(exact), *cos_sin, out=out)
-            return out.copy_(rope.rotate(x.to(exact), *cos_sin))
-
         def stripped(k):  # keys (B, Hkv, T, D), RoPE stripped, written straight into features (G, N, Bx)
             x = torch.empty(G, B * T, Bx, dtype=work, device=k.device)
-            rotated(k, src_rope(k.device), unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
+            rotated(k, *src_rope(k.device), unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
             return x
 
         xs = {"k": {l: stripped(src_cache.keys[l]) for l in used["k"]},
@@ -143,28 +138,41 @@ class Mapper:
                 for l in here:
                     buf = torch.empty(B, t.n_kv_heads, T + room, t.head_dim, dtype=out_dtype, device=d)
                     out[l] = buf[:, :, :T]                                   # (B, Hkv, T, D), room slots after it
-                    y = unfeatures(self.map_layer_fast(kind, l, x), self.scope, B, T, t.n_kv_heads, t.head_dim)
-                    if kind == "k":
-                        rotated(y, tgt_rope(d), out[l])                      # the target's RoPE, into the cache
-                    else:
-                        out[l].copy_(y)
+                    self.map_layer_fast(kind, l, x, out[l], tgt_rope(d) if kind == "k" else None)
         return Cache(keys, values, pos.to(devices[0]).clone(), src_cache.mask.to(devices[0]).clone(), room=room,
                      full=src_cache.full)
 
-    def map_layer_fast(self, kind, l, xs):
-        """map_layer, faster: the selected features copied once into one buffer, then x @ W + b as one
-        baddbmm in the features' dtype (for bf16, the sum over the k layers accumulates in float32 inside
-        it and is rounded once)."""
-        if self.mlp_mode:
-            return self.map_layer(kind, l, xs)
+    def map_layer_fast(self, kind, l, xs, out, cos_sin=None):
+        """map_layer written into out (B, Hkv, T, D), rotated by cos_sin (the target's RoPE; keys) when
+        given, a tile of TILE tokens of one sequence at a time on a CPU, so the tile's gathered features
+        and its outputs stay in the CPU's cache between the copy, the GEMM and the rotation (a GPU takes
+        each sequence whole). Per tile: the k selected layers' features copied side by side into one
+        buffer, then x @ W + b as one baddbmm in the features' dtype (for bf16 the sum over the k layers
+        accumulates in float32 inside it and is rounded once); with an MLP, map_layer on the tile."""
         sel = self.layers[kind][l].tolist()
         x0 = xs[sel[0]]
         G, N, Bx = x0.shape
-        x = torch.empty(G, N, len(sel) * Bx, dtype=x0.dtype, device=x0.device)
-        for i, src in enumerate(sel):
-            x[:, :, i * Bx:(i + 1) * Bx] = xs[src]                          # (G, N, k*Bx)
-        W, b = self.W[kind][l].to(x), self.b[kind][l].to(x)                  # (G, k*Bx, By), (G, By)
-        return torch.baddbmm(b[:, None, :], x, W)                           # (G, N, By)
+        B, Hkv, T, D = out.shape
+        tile = TILE if out.device.type == "cpu" else T
+        W, b = self.W[kind][l].to(x0), self.b[kind][l].to(x0)[:, None]      # (G, k*Bx, By), (G, 1, By)
+        buf = torch.empty(G, min(tile, T), len(sel) * Bx, dtype=x0.dtype, device=x0.device)
+        for r in range(B):
+            for t0 in range(0, T, tile):
+                n0, n = r * T + t0, min(tile, T - t0)                         # tokens n0 .. n0 + n of the features
+                if self.mlp_mode:
+                    y = self.map_layer(kind, l, {src: xs[src][:, n0:n0 + n] for src in sel})
+                else:
+                    x = buf[:, :n]
+                    for i, src in enumerate(sel):
+                        x[:, :, i * Bx:(i + 1) * Bx] = xs[src][:, n0:n0 + n]   # (G, n, k*Bx)
+                    y = torch.baddbmm(b, x, W)                                # (G, n, By)
+                y = unfeatures(y, self.scope, 1, n, Hkv, D)                   # (1, Hkv, n, D)
+                o = out[r:r + 1, :, t0:t0 + n]
+                if cos_sin is None:
+                    o.copy_(y)
+                else:
+                    cos, sin = (c[r:r + 1, :, t0:t0 + n] for c in cos_sin)
+                    rotated(y, cos, sin, o)
 
     def n_params(self):
         return sum(t.numel() for t in self._floats())
@@ -217,6 +225,17 @@ class Mapper:
                       {k: fn(v) for k, v in self.W.items()}, {k: fn(v) for k, v in self.b.items()},
                       {k: {n: fn(w) for n, w in p.items()} for k, p in self.mlp.items()}, self.mlp_mode,
                       dict(self.meta))
+
+
+TILE = 256  # tokens per tile of the fast map on a CPU: its gathered features (G, TILE, k*Bx) fit the L3 cache
+
+
+def rotated(x, cos, sin, out):
+    """x rotated by (cos, sin) (rope.rotate) in their dtype (float32 or better) and written into out, rounded
+    once to out's dtype."""
+    if out.dtype == cos.dtype:
+        return rope.rotate_into(x.to(cos.dtype), cos, sin, out=out)
+    return out.copy_(rope.rotate(x.to(cos.dtype), cos, sin))
 
 
 def rotation(cfg, pos, dtype, inverse=False):

@@ -32,26 +32,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class Linear(nn.Linear):
-    """nn.Linear (no bias here), with a fast path for one token: a matrix-vector product. A decode step
-    and a handoff's last prompt token have one row, and torch's one-row matmul is slower than torch.mv
-    for bf16 weights on a CPU: 8 greedy tokens after 1K, qwen3-0.6b, bf16, shared 2-core AMD EPYC, took
-    1.34x as long without it (float32: 1.03x; `python -m tests.bench_fast decode --dtype bfloat16`).
-    KVT_PLAIN=1 (config.plain) leaves it out."""
-    def forward(self, x):
-        if x.numel() == x.shape[-1] and self.bias is None and not plain():
-            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
-        return super().forward(x)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
-        self.q_proj = Linear(C, H * D, bias=False)
-        self.k_proj = Linear(C, Hkv * D, bias=False)
-        self.v_proj = Linear(C, Hkv * D, bias=False)
-        self.o_proj = Linear(H * D, C, bias=False)
+        self.q_proj = nn.Linear(C, H * D, bias=False)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
         if cfg.qk_norm:  # <-- difference 1: Qwen3 normalizes each head of q and k
             self.q_norm = RMSNorm(D, cfg.norm_eps)
             self.k_norm = RMSNorm(D, cfg.norm_eps)
@@ -77,18 +65,35 @@ class Attention(nn.Module):
         elif past_k is not None:  # the cache update: this step's keys and values after the cached ones
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # (B, Hkv, S, D)
         causal = attn_mask is None and past_k is None                       # a plain prefill
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                           enable_gqa=self.H != self.Hkv)   # (B, H, T, D)
+        if T == 1 and q.device.type == "cpu" and q.dtype != torch.float32 and not plain():
+            y = one_query_attention(q, k, v, attn_mask)                     # fast path, (B, H, 1, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                               enable_gqa=self.H != self.Hkv)   # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.H * self.D)               # (B, T, H*D)
         return self.o_proj(y), q, k, v
+
+
+def one_query_attention(q, k, v, attn_mask=None):
+    """F.scaled_dot_product_attention for one bf16 (or fp16) query q (B, H, 1, D) on a CPU, in float32:
+    the H / Hkv query heads that share a KV head as the rows of one product with its keys (B, Hkv, S, D),
+    a softmax, a product with its values, rounded once. torch's fused CPU kernel took 4x as long for one
+    bf16 query over 2K slots (`python -m tests.bench_fast decode --dtype bfloat16`). attn_mask: None or
+    bool (B, 1, 1, S), True = attend."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    scores = q.reshape(B, Hkv, H // Hkv, D).float() @ k.float().transpose(-1, -2) * D ** -0.5  # (B, Hkv, H/Hkv, S)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype).view(B, H, 1, D)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -121,7 +126,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Decoder(cfg)
-        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie()
         self.inv_freq, self.rope_scale = rope.frequencies(cfg)  # plain tensors, not state: (D/2,), float
 

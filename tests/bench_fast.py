@@ -2,7 +2,7 @@
 then `--repeats`; medians, and the ratio per round): the figures behind tutorial section 11's list.
 
     python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs apply_fast
-    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # generate: append in place vs torch.cat, torch.mv
+    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # generate: append in place vs torch.cat, one_query_attention, torch.mv
     python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: Pending vs Sums.add_
 
 Random weights of named shapes (apply: qwen3-0.6b -> 1.7b, k = 8; stats: tests/test_mapper_bench.py's pair,
@@ -70,7 +70,7 @@ def decode_fns(name, n, steps, dtype):
         def go():
             plain_path(plain)
             linear = torch.nn.Linear.forward
-            if mv:  # one token through a weight as torch.mv (a trick kvt dropped: under 5% here)
+            if mv:  # one token through a weight as torch.mv (a trick kvt dropped: slower on a CPU with bf16 units)
                 torch.nn.Linear.forward = lambda self, x: (torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
                                                            if x.numel() == x.shape[-1] else linear(self, x))
             try:
@@ -79,8 +79,18 @@ def decode_fns(name, n, steps, dtype):
                 torch.nn.Linear.forward = linear
                 plain_path(False)
         return go
-    return {"generate (fast: reserve, append_in_place)": run(False), "generate (plain: torch.cat)": run(True),
-            "generate (fast) + torch.mv for one row": run(False, mv=True)}
+    def fused_attention():  # the fast path with torch's fused attention kernel for one query too
+        one_query = kvt.model.one_query_attention
+        kvt.model.one_query_attention = lambda q, k, v, mask: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        try:
+            run(False)()
+        finally:
+            kvt.model.one_query_attention = one_query
+    return {"generate (fast: reserve, append_in_place, one_query_attention)": run(False),
+            "generate (plain: torch.cat, scaled_dot_product_attention)": run(True),
+            "generate (fast) + torch.mv for one row": run(False, mv=True),
+            "generate (fast) with scaled_dot_product_attention": fused_attention}
 
 
 def stats_fns(n):

@@ -77,7 +77,7 @@ def profile_rows(kvt_fn, hf_fn, runs, top=8):
 
 def linear_rows(model, dtype, repeats):
     """Table rows: one token through each distinct weight shape of the model, F.linear (nn.Linear's own
-    forward) against torch.mv (kvt's model.Linear for one row), alternating; ratio = F.linear / mv."""
+    forward) against torch.mv (which kvt once took for one row), alternating; ratio = F.linear / mv."""
     shapes = {tuple(m.weight.shape): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
     for (o, i), w in shapes.items():
         x = torch.randn(1, i, dtype=dtype)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvt
+from kvt import mapper as mapper_module
 from kvt import rope, stats
 from kvt.bench import random_mapper
 from kvt.cache import Cache
@@ -70,10 +71,13 @@ PAIRS = {"head": (tiny_config("qwen3", n_layers=3), tiny_config("llama", n_layer
 @pytest.mark.parametrize("scope", ["head", "layer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,T,pad", [(1, 9, 0), (2, 12, 5)])
-def test_apply_fast_equals_apply(scope, dtype, B, T, pad):
+@pytest.mark.parametrize("tile", [256, 5])
+def test_apply_fast_equals_apply(scope, dtype, B, T, pad, tile, monkeypatch):
     """apply_fast and apply give the same cache (mapper and cache in `dtype`, biases non-zero, keys moved
-    to other positions). Guards: the fast map without its bias, a selected layer's features put in
-    another's place in the gathered buffer, or the target's RoPE left out."""
+    to other positions), whole or in tiles of 5 tokens (mapper.TILE). Guards: the fast map without its
+    bias, a selected layer's features put in another's place in the gathered buffer, the target's RoPE
+    left out, a tile of the second sequence read from the first's tokens, or a short last tile dropped."""
+    monkeypatch.setattr(mapper_module, "TILE", tile)
     src, tgt = PAIRS[scope]
     mapper = random_mapper(src, tgt, scope, k=2, dtype=dtype, bias=0.5)
     cache = source_cache(src, B, T, dtype, pad)
@@ -86,8 +90,10 @@ def test_apply_fast_equals_apply(scope, dtype, B, T, pad):
 
 
 @pytest.mark.parametrize("mode", ["replace", "residual"])
-def test_apply_fast_with_an_mlp_equals_apply(mode):
-    """The MLP backstop goes through the same map_layer on both paths. Guards: the fast path dropping it."""
+def test_apply_fast_with_an_mlp_equals_apply(mode, monkeypatch):
+    """The MLP backstop goes through the same map_layer on both paths, the fast one in tiles of 4 tokens.
+    Guards: the fast path dropping it."""
+    monkeypatch.setattr(mapper_module, "TILE", 4)
     src, tgt = PAIRS["head"]
     mapper = random_mapper(src, tgt, "head", k=2, bias=0.5)
     G, D, k = src.n_kv_heads, src.head_dim, 2
@@ -188,3 +194,19 @@ def test_handoff_and_generate_plain_equal_fast(pair, monkeypatch, dtype, scope):
     assert cf.room == 0 and cp.room == 0
     if dtype == torch.float32:                        # bf16's rounding may tip a near-tie argmax
         assert tf == tp, f"greedy tokens differ: {tf} vs {tp}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_query_attention_equals_sdpa(dtype):
+    """model.one_query_attention (one bf16/fp16 query on a CPU, in float32) equals float32
+    scaled_dot_product_attention within a rounding of dtype: 8 query heads over 2 KV heads, a batch of 2
+    whose second row masks its first 5 slots. Guards: query head h paired with KV head h % Hkv instead of
+    h // (H / Hkv), the mask ignored, or the 1/sqrt(D) scale left out."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, h, t, 16, generator=g) for h, t in ((8, 1), (2, 40), (2, 40)))
+    mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    mask[1, ..., :5] = False
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    fast = kvt.model.one_query_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    assert fast.dtype == dtype
+    assert_equal_within(fast, exact, torch.bfloat16, f"one_query_attention ({dtype})")

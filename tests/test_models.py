@@ -33,7 +33,7 @@ def kvt_outputs(model, ids):
 
 def check(model, expected, ids):
     """Prefill then continuation, and (row 0) one token at a time after the prefill: a single token
-    takes model.Linear's matrix-vector path (a wrong product there fails the last check)."""
+    takes the one-token path of every layer (a wrong cache update there fails the last check)."""
     logits, cache = kvt_outputs(model, ids)
     assert_close(logits, expected["logits"], "logits")
     for l in range(model.config.n_layers):
