@@ -145,16 +145,17 @@ class Mapper:
     def map_layer_fast(self, kind, l, xs, out, cos_sin=None):
         """map_layer written into out (B, Hkv, T, D), rotated by cos_sin (the target's RoPE; keys) when
         given, a tile of TILE tokens of one sequence at a time on a CPU, so the tile's gathered features
-        and its outputs stay in the CPU's cache between the copy, the GEMM and the rotation (a GPU takes
-        each sequence whole). Per tile: the k selected layers' features copied side by side into one
+        and its outputs stay in the CPU's cache between the copy, the GEMM and the rotation. Each tile
+        reads all of W again, which pays while W is the smaller operand (By < TILE: head scope); layer
+        scope's W (k*Hkv*D, Hkv*D) is larger, and there, as on a GPU, each sequence is one tile. Per tile: the k selected layers' features copied side by side into one
         buffer, then x @ W + b as one baddbmm in the features' dtype (for bf16 the sum over the k layers
         accumulates in float32 inside it and is rounded once); with an MLP, map_layer on the tile."""
         sel = self.layers[kind][l].tolist()
         x0 = xs[sel[0]]
         G, N, Bx = x0.shape
         B, Hkv, T, D = out.shape
-        tile = TILE if out.device.type == "cpu" else T
         W, b = self.W[kind][l].to(x0), self.b[kind][l].to(x0)[:, None]      # (G, k*Bx, By), (G, 1, By)
+        tile = TILE if out.device.type == "cpu" and W.shape[-1] < TILE else T  # each tile reads all of W again
         buf = torch.empty(G, min(tile, T), len(sel) * Bx, dtype=x0.dtype, device=x0.device)
         for r in range(B):
             for t0 in range(0, T, tile):
@@ -227,7 +228,7 @@ class Mapper:
                       dict(self.meta))
 
 
-TILE = 256  # tokens per tile of the fast map on a CPU: its gathered features (G, TILE, k*Bx) fit the L3 cache
+TILE = 256  # tokens per tile of the fast map on a CPU: its gathered features (G, TILE, k*Bx) fit an L3 cache
 
 
 def rotated(x, cos, sin, out):

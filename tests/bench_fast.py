@@ -1,9 +1,10 @@
 """Each fast-path trick against the plain path, timed in one process in interleaved rounds (a warm-up round,
 then `--repeats`; medians, and the ratio per round): the figures behind tutorial section 11's list.
 
-    python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs apply_fast
+    python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs apply_fast (tiles, rotate_into)
     python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # generate: append in place vs torch.cat, one_query_attention, torch.mv
     python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: Pending vs Sums.add_
+    python -m tests.bench_fast stream --shape qwen3-1.7b --tokens 2048               # copy vs read-only vs the one-token step, GB/s
 
 Random weights of named shapes (apply: qwen3-0.6b -> 1.7b, k = 8; stats: tests/test_mapper_bench.py's pair,
 forward passes included, a flush's worth of batches).
@@ -17,7 +18,7 @@ import torch
 
 import kvt
 from kvt import rope
-from kvt.bench import random_mapper
+from kvt.bench import copier, hardware, last_step_bytes, random_mapper
 from kvt.cache import Cache
 from kvt.capture import capture
 from kvt.config import Config, shape
@@ -57,8 +58,14 @@ def apply_fns(scope, n, dtype):
             m.apply_fast(cache, room=1)
         finally:
             rope.rotate_into = fast_rotate
+    def untiled():
+        tile, kvt.mapper.TILE = kvt.mapper.TILE, n      # one tile: the whole sequence
+        try:
+            m.apply_fast(cache, room=1)
+        finally:
+            kvt.mapper.TILE = tile
     return {"apply_fast": lambda: m.apply_fast(cache, room=1), "apply (plain)": lambda: m.apply(cache, room=1),
-            "apply_fast without rotate_into": without_rotate_into}
+            "apply_fast without rotate_into": without_rotate_into, "apply_fast in one tile": untiled}
 
 
 def decode_fns(name, n, steps, dtype):
@@ -112,10 +119,38 @@ def stats_fns(n):
     return {"statistics (fast: Pending)": stream(False), "statistics (plain: Sums.add_)": stream(True)}
 
 
+def stream(name, n, dtype, repeats):
+    """What bounds the transfer's last step: GB/s of a 512 MiB float32 copy (bench.copier, read plus
+    written bytes: the roofline's rate), of one read of every weight of the model (each summed, nothing
+    written), and of the model's one-token step after n - 1 cached slots (bench.last_step_bytes),
+    timed in turn."""
+    model = kvt.build_model(name, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    _, cache = model(ids[:, :-1], last=True)
+    cache = cache.reserve(1)
+    copy, copy_bytes = copier("cpu")
+    weights = list(model.parameters())
+    fns = {"copy (read + write)": (copy, copy_bytes),
+           "read every weight (sum)": (lambda: [w.sum() for w in weights], sum(w.nbytes for w in weights)),
+           "one-token step": (lambda: model(ids[:, -1:], cache=cache),
+                              last_step_bytes(model.config, n, weights[0].element_size()))}
+    times = {what: [] for what in fns}
+    for i in range(repeats + 1):
+        for what, (fn, _) in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[what].append(time.perf_counter() - start)
+    print("| what | GB/s (min-max) |\n|---|---|")
+    for what, (_, nbytes) in fns.items():
+        rates = [nbytes / t / 1e9 for t in times[what]]
+        print(f"| {what} | {statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f}) |", flush=True)
+
+
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["apply", "decode", "stats"])
+    ap.add_argument("what", choices=["apply", "decode", "stats", "stream"])
     ap.add_argument("--scope", default="head", choices=["head", "layer"])
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--tokens", type=int, default=1024)
@@ -124,6 +159,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.what == "stream":
+        print(f"stream, {args.shape}, {args.tokens} tokens, {args.dtype}, {hardware()}; median of {args.repeats} "
+              "after a warm-up")
+        return stream(args.shape, args.tokens, dtype, args.repeats)
     fns = {"apply": lambda: apply_fns(args.scope, args.tokens, dtype),
            "decode": lambda: decode_fns(args.shape, args.tokens, args.steps, dtype),
            "stats": lambda: stats_fns(args.tokens)}[args.what]()

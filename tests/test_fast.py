@@ -70,11 +70,12 @@ PAIRS = {"head": (tiny_config("qwen3", n_layers=3), tiny_config("llama", n_layer
 
 @pytest.mark.parametrize("scope", ["head", "layer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,T,pad", [(1, 9, 0), (2, 12, 5)])
-@pytest.mark.parametrize("tile", [256, 5])
+@pytest.mark.parametrize("B,T,pad", [(1, 9, 0), (2, 40, 5)])
+@pytest.mark.parametrize("tile", [256, 17])
 def test_apply_fast_equals_apply(scope, dtype, B, T, pad, tile, monkeypatch):
     """apply_fast and apply give the same cache (mapper and cache in `dtype`, biases non-zero, keys moved
-    to other positions), whole or in tiles of 5 tokens (mapper.TILE). Guards: the fast map without its
+    to other positions), whole or, in head scope (By = 16 < TILE), in tiles of 17 tokens (mapper.TILE).
+    Guards: the fast map without its
     bias, a selected layer's features put in another's place in the gathered buffer, the target's RoPE
     left out, a tile of the second sequence read from the first's tokens, or a short last tile dropped."""
     monkeypatch.setattr(mapper_module, "TILE", tile)
@@ -91,9 +92,9 @@ def test_apply_fast_equals_apply(scope, dtype, B, T, pad, tile, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["replace", "residual"])
 def test_apply_fast_with_an_mlp_equals_apply(mode, monkeypatch):
-    """The MLP backstop goes through the same map_layer on both paths, the fast one in tiles of 4 tokens.
+    """The MLP backstop goes through the same map_layer on both paths, the fast one in tiles of 17 tokens.
     Guards: the fast path dropping it."""
-    monkeypatch.setattr(mapper_module, "TILE", 4)
+    monkeypatch.setattr(mapper_module, "TILE", 17)
     src, tgt = PAIRS["head"]
     mapper = random_mapper(src, tgt, "head", k=2, bias=0.5)
     G, D, k = src.n_kv_heads, src.head_dim, 2
@@ -103,7 +104,7 @@ def test_apply_fast_with_an_mlp_equals_apply(mode, monkeypatch):
                          "b0": torch.zeros(tgt.n_layers, 8),
                          "w1": torch.randn(tgt.n_layers, 8, G * D, generator=g) * 0.1,
                          "b1": torch.zeros(tgt.n_layers, G * D)} for kind in "kv"}
-    cache = source_cache(src, 2, 6, torch.float32)
+    cache = source_cache(src, 2, 40, torch.float32)
     assert_same_cache(mapper.apply_fast(cache), mapper.apply(cache), torch.float32, f"mlp {mode}")
 
 
