@@ -331,7 +331,7 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
         c_small = small(ids[:, :-1], last=True)[1]
     del small
 
-    def both(target, mapper, cache, src, tgt):
+    def direction(target, mapper, cache, src, tgt):
         mapper = mapper if mapper.placed else mapper.place(layer_devices(target))
         transfer[src, tgt], mapping[src, tgt], copies[src, tgt] = {}, {}, {}
         recompute[src, tgt], itemsize[src, tgt] = {f: {} for f in fracs}, next(target.parameters()).element_size()
@@ -350,11 +350,11 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
 
     large = build(names[1])
     c_large = large(ids[:, :-1], last=True)[1]
-    both(large, fwd, c_small, *names)
+    direction(large, fwd, c_small, *names)
     del large, c_small
     if back is not None:
         mappers[names[1], names[0]] = back
-        both(build(names[0]), back, c_large, names[1], names[0])
+        direction(build(names[0]), back, c_large, names[1], names[0])
     return rows(prefill, transfer, mappers, device, recompute, mapping, itemsize, copies, plain)
 
 

@@ -11,7 +11,8 @@ For target layer t and kind K (or V), with sel = the k selected source layers (l
 then y is laid back out as (B, Hkv, T, D) and, for keys, rotated by the target's RoPE at the target
 positions: Mapper.apply, in float32 whatever the cache's dtype. Mapper.apply_fast is its twin with the
 same signature and result (tests/test_fast.py): fewer passes over memory, one GEMM per target layer in
-the mapper's dtype, the cache written in place (tutorial section 11).
+the mapper's dtype (in head scope on a CPU, per tile of TILE tokens), the cache written in place
+(tutorial section 11).
 Head scope (G = Hkv): head h from head h of the selected layers. Layer scope (G = 1): every head from
 all heads of the selected layers, which also maps between different KV shapes.
 

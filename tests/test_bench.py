@@ -119,12 +119,15 @@ def test_roofline_prices_the_map_at_the_prefills_rate_and_the_last_step_at_the_c
 
 
 def test_both_paths_are_timed_in_the_same_rounds():
-    """bench(both=True) times the plain path's transfer beside the fast one, and the table shows it.
-    Guards: the column left empty, or the plain path's time taken from the fast path's runs."""
+    """bench(both=True) times the plain path's transfer beside the fast one, and the table shows it;
+    without it, no plain transfer is timed. Guards: the column left empty, the plain path's time taken
+    from the fast path's runs, or the flag shadowed by a local name (the plain path timed always)."""
     small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
     rows = bench(small, large, random_mapper(SMALL, LARGE, k=2), None, [16], repeats=1, names=("s", "l"), both=True)
     assert rows[0]["plain_transfer_s"] > 0 and rows[0]["plain_transfer_s"] is not rows[0]["transfer_s"]
     assert "plain transfer s" in B.format_rows(rows)
+    rows = bench(small, large, random_mapper(SMALL, LARGE, k=2), None, [16], repeats=1, names=("s", "l"))
+    assert rows[0]["plain_transfer_s"] is None and "plain transfer s" not in B.format_rows(rows)
 
 
 def test_the_timed_recompute_is_a_handoff_with_that_budget():
