@@ -148,9 +148,10 @@ class Mapper:
         given, a tile of TILE tokens of one sequence at a time on a CPU, so the tile's gathered features
         and its outputs stay in the CPU's cache between the copy, the GEMM and the rotation. Each tile
         reads all of W again, which pays while W is the smaller operand (By < TILE: head scope); layer
-        scope's W (k*Hkv*D, Hkv*D) is larger, and there, as on a GPU, each sequence is one tile. Per tile: the k selected layers' features copied side by side into one
-        buffer, then x @ W + b as one baddbmm in the features' dtype (for bf16 the sum over the k layers
-        accumulates in float32 inside it and is rounded once); with an MLP, map_layer on the tile."""
+        scope's W (k*Hkv*D, Hkv*D) is larger, and there, as on a GPU, each sequence is one tile. Per
+        tile: the k selected layers' features copied side by side into one buffer, then x @ W + b as
+        one baddbmm in the features' dtype (for bf16 the sum over the k layers accumulates in float32
+        inside it and is rounded once); with an MLP, map_layer on the tile."""
         sel = self.layers[kind][l].tolist()
         x0 = xs[sel[0]]
         G, N, Bx = x0.shape
