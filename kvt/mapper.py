@@ -148,7 +148,7 @@ class Mapper:
         given, a tile of TILE tokens of one sequence at a time on a CPU, so the tile's gathered features
         and its outputs stay in the CPU's cache between the copy, the GEMM and the rotation. Each tile
         reads all of W again, which pays while W is the smaller operand (By < TILE: head scope); layer
-        scope's W (k*Hkv*D, Hkv*D) is larger, and there, as on a GPU, each sequence is one tile. Per
+        scope's W (k*Hkv*D, Hkv*D) is larger, and there, as on a GPU, the whole batch is one tile. Per
         tile: the k selected layers' features copied side by side into one buffer, then x @ W + b as
         one baddbmm in the features' dtype (for bf16 the sum over the k layers accumulates in float32
         inside it and is rounded once); with an MLP, map_layer on the tile."""
@@ -158,24 +158,24 @@ class Mapper:
         B, Hkv, T, D = out.shape
         W, b = self.W[kind][l].to(x0), self.b[kind][l].to(x0)[:, None]      # (G, k*Bx, By), (G, 1, By)
         tile = TILE if out.device.type == "cpu" and W.shape[-1] < TILE else T  # each tile reads all of W again
-        buf = torch.empty(G, min(tile, T), len(sel) * Bx, dtype=x0.dtype, device=x0.device)
-        for r in range(B):
-            for t0 in range(0, T, tile):
-                n0, n = r * T + t0, min(tile, T - t0)                         # tokens n0 .. n0 + n of the features
-                if self.mlp_mode:
-                    y = self.map_layer(kind, l, {src: xs[src][:, n0:n0 + n] for src in sel})
-                else:
-                    x = buf[:, :n]
-                    for i, src in enumerate(sel):
-                        x[:, :, i * Bx:(i + 1) * Bx] = xs[src][:, n0:n0 + n]   # (G, n, k*Bx)
-                    y = torch.baddbmm(b, x, W)                                # (G, n, By)
-                y = unfeatures(y, self.scope, 1, n, Hkv, D)                   # (1, Hkv, n, D)
-                o = out[r:r + 1, :, t0:t0 + n]
-                if cos_sin is None:
-                    o.copy_(y)
-                else:
-                    cos, sin = (c[r:r + 1, :, t0:t0 + n] for c in cos_sin)
-                    rotated(y, cos, sin, o)
+        spans = ([(r, 1, t0, min(tile, T - t0)) for r in range(B) for t0 in range(0, T, tile)] if tile < T
+                 else [(0, B, 0, T)])                                       # (first row, rows, first slot, slots)
+        buf = torch.empty(G, max(rows * n for _, rows, _, n in spans), len(sel) * Bx, dtype=x0.dtype, device=x0.device)
+        for r, rows, t0, n in spans:
+            n0, m = r * T + t0, rows * n                                      # features n0 .. n0 + m
+            if self.mlp_mode:
+                y = self.map_layer(kind, l, {src: xs[src][:, n0:n0 + m] for src in sel})
+            else:
+                x = buf[:, :m]
+                for i, src in enumerate(sel):
+                    x[:, :, i * Bx:(i + 1) * Bx] = xs[src][:, n0:n0 + m]       # (G, m, k*Bx)
+                y = torch.baddbmm(b, x, W)                                    # (G, m, By)
+            y = unfeatures(y, self.scope, rows, n, Hkv, D)                    # (rows, Hkv, n, D)
+            o = out[r:r + rows, :, t0:t0 + n]
+            if cos_sin is None:
+                o.copy_(y)
+            else:
+                rotated(y, *(c[r:r + rows, :, t0:t0 + n] for c in cos_sin), o)
 
     def n_params(self):
         return sum(t.numel() for t in self._floats())
