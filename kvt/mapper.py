@@ -160,7 +160,8 @@ class Mapper:
         tile = TILE if out.device.type == "cpu" and W.shape[-1] < TILE else T  # each tile reads all of W again
         spans = ([(r, 1, t0, min(tile, T - t0)) for r in range(B) for t0 in range(0, T, tile)] if tile < T
                  else [(0, B, 0, T)])                                       # (first row, rows, first slot, slots)
-        buf = torch.empty(G, max(rows * n for _, rows, _, n in spans), len(sel) * Bx, dtype=x0.dtype, device=x0.device)
+        m_max = max(rows * n for _, rows, _, n in spans)                     # features per span, at most
+        buf = None if self.mlp_mode else torch.empty(G, m_max, len(sel) * Bx, dtype=x0.dtype, device=x0.device)
         for r, rows, t0, n in spans:
             n0, m = r * T + t0, rows * n                                      # features n0 .. n0 + m
             if self.mlp_mode:

@@ -18,7 +18,7 @@ import torch
 
 import kvt
 from kvt import rope
-from kvt.bench import copier, hardware, last_step_bytes, random_mapper
+from kvt.bench import copier, hardware, last_step_bytes, median_times, random_mapper
 from kvt.cache import Cache
 from kvt.capture import capture
 from kvt.config import Config, shape
@@ -123,7 +123,7 @@ def stream(name, n, dtype, repeats):
     """What bounds the transfer's last step: GB/s of a 512 MiB float32 copy (bench.copier, read plus
     written bytes: the roofline's rate), of one read of every weight of the model (each summed, nothing
     written), and of the model's one-token step after n - 1 cached slots (bench.last_step_bytes),
-    timed in turn."""
+    timed in turn (bench.median_times)."""
     model = kvt.build_model(name, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     _, cache = model(ids[:, :-1], last=True)
@@ -134,16 +134,10 @@ def stream(name, n, dtype, repeats):
            "read every weight (sum)": (lambda: [w.sum() for w in weights], sum(w.nbytes for w in weights)),
            "one-token step": (lambda: model(ids[:, -1:], cache=cache),
                               last_step_bytes(model.config, n, weights[0].element_size()))}
-    times = {what: [] for what in fns}
-    for i in range(repeats + 1):
-        for what, (fn, _) in fns.items():
-            start = time.perf_counter()
-            fn()
-            if i:
-                times[what].append(time.perf_counter() - start)
+    timings = median_times([fn for fn, _ in fns.values()], "cpu", repeats)
     print("| what | GB/s (min-max) |\n|---|---|")
-    for what, (_, nbytes) in fns.items():
-        rates = [nbytes / t / 1e9 for t in times[what]]
+    for (what, (_, nbytes)), timing in zip(fns.items(), timings):
+        rates = [nbytes / t / 1e9 for t in timing.times]
         print(f"| {what} | {statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f}) |", flush=True)
 
 
