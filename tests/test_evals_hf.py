@@ -2,13 +2,21 @@
 
 The oracle is the harness's own way (HFLM._loglikelihood_tokens): each (context, choice) pair is one
 full sequence through transformers' LlamaForCausalLM, tokenized by transformers' tokenizer; kvt scores
-the context once and the choices from its cache. Per-item choices (acc and acc_norm) must be equal on
-the first KVT_HF_ITEMS (default 500) HellaSwag and ARC-Easy items.
+the context once and the choices from its cache. Per-item choices (acc and acc_norm) must be equal, and
+every loglikelihood within 1e-3 of transformers', on the first KVT_HF_ITEMS (default 100) HellaSwag and
+ARC-Easy items.
+
+Why 100 items, not 500 (818 s and 329 s on 2 shared cores, too long to run in CI on every change): the bugs
+this guards (a continuation tokenized apart from its context, a missing leading space, an off-by-one in
+which logits score which token, a BOS on one side only, a cache reused across choices) move the
+loglikelihood of every item far past 1e-3, so the first item already shows them; 100 items still hold
+contexts from one to several sentences, ARC's short answers and HellaSwag's long endings.
+A bug that only some rare item shows needs the full 500: KVT_HF_ITEMS=500.
 
 Build the checkpoint once: python ../shared/tools/smollm2.py weights/smollm2-135m
-Run: pytest -m slow -s tests/test_evals_hf.py   (about 20 minutes on 2 free cores; 100 on a busy machine)
-Measured (transformers 5.24, torch 2.13 CPU, float32), all 1,000 per-item choices equal, max |loglik
-difference| 7e-5: HellaSwag acc 0.376 acc_norm 0.438; ARC-Easy acc 0.502 acc_norm 0.466 (n=500 each).
+Run: pytest -m slow -s tests/test_evals_hf.py   (about 4 minutes on 2 free cores at 100 items)
+Measured at 500 items (transformers 5.24, torch 2.13 CPU, float32), all 1,000 per-item choices equal, max
+|loglik difference| 7e-5: HellaSwag acc 0.376 acc_norm 0.438; ARC-Easy acc 0.502 acc_norm 0.466.
 """
 import os
 
@@ -20,7 +28,7 @@ import kvt
 from kvt import evals as E
 
 DATA = SHARED / "data"
-N = int(os.environ.get("KVT_HF_ITEMS", "500"))
+N = int(os.environ.get("KVT_HF_ITEMS", "100"))
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [
@@ -81,4 +89,4 @@ def test_choices_equal_transformers(models, task):
     print(f"\n{task}: n={s['n']} acc={s['acc']:.4f} {s['acc_ci']} acc_norm={s['acc_norm']:.4f} "
           f"{s['acc_norm_ci']}; max |loglik difference| vs transformers {worst:.2e}")
     assert not differ, f"{len(differ)} items choose differently, e.g. {differ[:2]}"
-    assert worst < 1e-2, f"loglikelihoods differ by up to {worst}"
+    assert worst < 1e-3, f"loglikelihoods differ by up to {worst} (measured: 7e-5 at most over 1,000 items)"

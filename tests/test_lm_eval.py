@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,11 +266,17 @@ metric_list: [{{metric: acc}}]
 
 
 def second_venv(tmp_path, requirement):
-    """The python of a virtual environment that shares this one's packages (torch above all) but has
-    `requirement` installed over them (from PyPI)."""
+    """The python of a virtual environment that sees this interpreter's packages (torch above all) but has
+    `requirement` installed over them (from PyPI). The packages are this interpreter's, not the system's:
+    `venv --system-site-packages` would see the base Python's, which lack torch when the tests run from a
+    venv; a .pth file in the new venv lists this interpreter's site-packages after the venv's own."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
+    own = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    ours = [p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()]
+    (Path(own) / "kvt-tests-parent.pth").write_text("\n".join(ours) + "\n")
     pip = subprocess.run([py, "-m", "pip", "install", "-q", requirement], capture_output=True, text=True)
     assert pip.returncode == 0, pip.stderr[-2000:]
     return py
