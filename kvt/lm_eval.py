@@ -50,7 +50,7 @@ from kvt import dist, evals, pipeline, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
-from kvt.mapper import load_mapper
+from kvt.mapper import check_pair_weights, load_mapper
 from kvt.model import layer_devices
 from kvt.summary import average_retention, summarize
 
@@ -123,6 +123,7 @@ class KvtLM(LM):
             src_model, tgt_model = load(source), load(target)
             if mapper:
                 m = load_mapper(mapper, src_model.config, tgt_model.config, self.tok.fingerprint())
+                check_pair_weights(m, src_model, tgt_model, f"mapper={mapper}")
             else:
                 out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
                 m = mapper_for(source, target, src_model, tgt_model, self.tok, out, dtype, calib, calib_seqs,

@@ -52,7 +52,7 @@ from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
 from kvt.mapper import FORMAT as MAPPER_FORMAT
-from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
+from kvt.mapper import add_mlp, calibrate, check_pair_weights, load_mapper, save_mapper
 from kvt.model import check_weights, layer_devices
 from kvt.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
@@ -260,7 +260,9 @@ def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
     path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
-        return load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_hash(key)).to(dtype=dtype), name
+        mapper = load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_hash(key))
+        check_pair_weights(mapper, source, target, f"mapper {path}")          # the key's file fingerprints, checked again
+        return mapper.to(dtype=dtype), name
     stats = out / f"stats-{short_hash(skey)}"
     mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=stats,
                                key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
