@@ -1,4 +1,4 @@
-"""The surfaces of round 3 tried as a careless user would (issue 41, items 2 and 3).
+"""kvt's newer surfaces tried as a careless user would, and absurd but parseable numbers.
 
 Absurd but parseable numbers to run.py (a lambda of 1e308, a gate threshold no KL reaches, batch sizes of
 10^9, lengths past max_position_embeddings), bad model_args to `python -m kvt.lm_eval`, `kvt plan` on
@@ -280,7 +280,7 @@ def test_course_grade_refuses_a_bad_folder(assignment, tmp_path, case):
 
 def test_course_grade_stops_an_endless_loop(assignment, tmp_path, capsys):
     """A student's rope.rotate that never returns: every function is scored 0 with the reason, not a hang.
-    (Held before this round; guards the grader's timeout.)"""
+    (Held already; guards the grader's timeout.)"""
     from kvt import course
     student, grader = assignment
     copy = student_copy(student, tmp_path, "\n\ndef rotate(x, cos, sin):\n    while True:\n        pass\n")

@@ -1,4 +1,4 @@
-"""A mapper knows the weights it was fitted on (issue 41, item 1), not only their config.
+"""A mapper knows the weights it was fitted on, not only their config.
 
 The pair is tiny_pair's source and its function-preserving twin: one config, other weights, so the
 configs' fingerprints cannot tell them apart. A mapper fitted source -> twin meets the swapped pair
@@ -128,7 +128,7 @@ def test_check_weights_names_the_side(fitted):
 
 def test_hf_transfer_refuses_the_swapped_pair(fitted, tiny_pair):
     """Guards kvt.hf.transfer with a mapper fitted source -> twin, given twin -> source (one config): it ran
-    and returned a wrong cache without a word (issue 41). The right pair passes."""
+    and returned a wrong cache without a word. The right pair passes."""
     transformers = pytest.importorskip("transformers")
     from kvt import hf
     _, _, mapper, _ = fitted
