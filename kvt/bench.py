@@ -46,7 +46,7 @@ from kvt.cache import keep_freed_memory
 from kvt.config import KvtError, at_least, command, parse_pair, plain, shape
 from kvt.dist import check_devices
 from kvt.handoff import Recompute, take_over
-from kvt.mapper import Mapper
+from kvt.mapper import Mapper, check_pair_weights
 from kvt.model import Transformer, build_model, layer_devices
 from kvt.stats import KINDS, groups
 
@@ -319,6 +319,9 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     in turn (median_times), the target's own prefill, the transfer, the mapping alone and each
     recompute budget: the speedup divides two times taken side by side."""
     small = build(names[0])
+    check_pair_weights(fwd, small, None, f"the mapper {names[0]} -> {names[1]}")   # a fitted mapper's pair (random: none)
+    if back is not None:
+        check_pair_weights(back, None, small, f"the mapper {names[1]} -> {names[0]}")
     device = next(small.parameters()).device
     reset_peak_memory(device)                                     # peak_gb: the bench's own peak
     ids = token_ids(lengths, small.config.vocab_size, device)
@@ -349,6 +352,9 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
                 recompute[src, tgt][f][n] = t
 
     large = build(names[1])
+    check_pair_weights(fwd, None, large, f"the mapper {names[0]} -> {names[1]}")
+    if back is not None:
+        check_pair_weights(back, large, None, f"the mapper {names[1]} -> {names[0]}")
     c_large = large(ids[:, :-1], last=True)[1]
     direction(large, fwd, c_small, *names)
     del large, c_small

@@ -47,6 +47,10 @@ def read(path):
     checking that it is one: a corrupt line, or an item that lacks a condition, is refused, and so is a file
     holding fewer items than the results.json beside it lists for the same run."""
     path = Path(path)
+    if path.is_dir():
+        found = sorted(path.glob("records-*.jsonl"))
+        raise KvtError(f"{path} is a folder" + (f"; give one of its records files, e.g. {found[0]}" if found else
+                       " with no records-*.jsonl; give the records-*.jsonl of a finished kvt run"))
     if not path.is_file():
         raise KvtError(f"{path}: no such records file; give the records-*.jsonl of a finished kvt run")
     lines = path.read_text(errors="replace").split("\n")
@@ -90,6 +94,30 @@ def read(path):
                 raise KvtError(f"{path} holds {have} of the {want} items {results} lists; the file was cut short: "
                                "run the run again with the same settings and --out to complete it")
     return out
+
+
+def header(path):
+    """The first line of a records file: {"format", "mapper": the mapper's name, "recompute": [last, first,
+    frac]} ({} if it has none)."""
+    with open(path, errors="replace") as f:
+        try:
+            first = json.loads(f.readline())
+        except json.JSONDecodeError:
+            return {}
+    return first if isinstance(first, dict) and "task" not in first else {}
+
+
+def check_recompute(records, recompute):
+    """The --recompute records are the same run's with a budget: the same mapper (so the same pair and
+    settings) and a recompute budget; else one line."""
+    mine, theirs = header(records), header(recompute)
+    if theirs.get("mapper") != mine.get("mapper"):
+        raise KvtError(f"--recompute {recompute} holds records of mapper {theirs.get('mapper')}, {records} of "
+                       f"{mine.get('mapper')}: another pair or settings; give the records of the same run with a "
+                       "--recompute-* budget")
+    if not any(theirs.get("recompute") or []):
+        raise KvtError(f"--recompute {recompute} holds records without a recompute budget; give those of a run with "
+                       "--recompute-frac (or --recompute-last / --recompute-first)")
 
 
 def confidence(record):
@@ -209,7 +237,8 @@ def main(argv=None):
     if prefill_flops(small, args.tokens) >= prefill_flops(large, args.tokens):
         raise KvtError(f"--shapes {args.shapes}: {names[0]} is not smaller than {names[1]}; name the small model "
                        f"first, e.g. {names[1]}:{names[0].split('-')[-1]}")
-    rows = items(read(args.records), read(args.recompute) if args.recompute else None)
+    recompute = args.recompute and (read(args.recompute), check_recompute(args.records, args.recompute))[0]
+    rows = items(read(args.records), recompute or None)
     base, escalate = costs(small, large, args.tokens, args.scope, args.k, args.frac)
     seconds = (bench_seconds(args.bench, " -> ".join(names), args.tokens, args.frac if args.recompute else None)
                if args.bench else None)

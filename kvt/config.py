@@ -238,6 +238,8 @@ def config_from_dict(hf, context=None):
 def download_hint(path):
     """The command that fetches the checkpoint a folder name suggests (see weights/README.md)."""
     name = Path(path).name
+    if Path(path).parent.name == "snapshots" and Path(path).parent.parent.name.startswith("models--"):
+        return "hf download " + Path(path).parent.parent.name.removeprefix("models--").replace("--", "/")  # the cache's
     if name.startswith("toy-"):  # the toy family is trained, not downloaded (kvt/toy.py)
         return f"python -m kvt.toy train --out {Path(path).parent} --members {name}"
     repo = SHAPES[name][0] if name in SHAPES else "<hub-repo>"
@@ -259,9 +261,16 @@ def hub_snapshot(repo, cache):
     ref = folder / "refs" / "main"
     snapshots = sorted((folder / "snapshots").glob("*/")) if (folder / "snapshots").is_dir() else []
     if ref.is_file():
-        snapshot = folder / "snapshots" / ref.read_text().strip()
-        return snapshot if snapshot.is_dir() else None
-    return snapshots[0] if len(snapshots) == 1 else None
+        commit = ref.read_text(errors="replace").strip()
+        snapshot = folder / "snapshots" / commit
+        if commit and "/" not in commit and snapshot.is_dir():
+            return snapshot
+        raise KvtError(f"{ref} names {_show(commit)}, which is no snapshot in {folder / 'snapshots'} (an interrupted "
+                       f"download?); download again with: hf download {repo}")
+    if len(snapshots) > 1:
+        raise KvtError(f"{folder} holds {len(snapshots)} snapshots and no refs/main naming one; download again with: "
+                       f"hf download {repo}, or give the snapshot folder you mean with --source/--target")
+    return snapshots[0] if snapshots else None
 
 
 def checkpoint_name(path):
@@ -305,6 +314,9 @@ def load_config(path, context=None):
     f = Path(path) / "config.json"
     if not Path(path).is_dir():
         raise KvtError(f"no checkpoint folder {path}; get it with: {download_hint(path)}")
+    if f.is_symlink() and not f.exists():
+        raise KvtError(f"{f} links to {os.readlink(f)}, which is gone (an interrupted download, or a pruned cache); "
+                       f"download again with: {download_hint(path)}")
     if not f.is_file():
         raise KvtError(f"no config.json in {path}; is this a Hugging Face checkpoint folder? (see weights/README.md)")
     try:

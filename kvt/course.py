@@ -26,6 +26,7 @@ heads, positions, channels), and a hint written for that case.
 """
 import argparse
 import ast
+import hashlib
 import importlib.util
 import json
 import math
@@ -749,7 +750,8 @@ def make(name, out, grader=None, solution=False):
         (key / "expected.safetensors").chmod(0o644)              # safetensors writes it 0o600
         shutil.copy(KVT / "course.py", key / "course.py")        # the checks the test runs, out of the student's hands
         (key / f"test_{name}.py").write_text(TEST.format(name=name))
-        info = json.dumps({"assignment": name, "solution": solution, "kvt_version": kvt.__version__}) + "\n"
+        info = json.dumps({"assignment": name, "solution": solution, "kvt_version": kvt.__version__,
+                           "sha256": grader_hashes(key)}) + "\n"
         (key / "assignment.json").write_text(info)
         (key / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")  # stops pytest's search here
         (student / "README.md").write_text(readme(name, solution))
@@ -768,6 +770,27 @@ def make(name, out, grader=None, solution=False):
 
 
 # ---- grade ------------------------------------------------------------------------------------------------
+
+def grader_hashes(grader):
+    """{file name: sha256} of a grader folder's files (its reference/ ones as reference/NAME), assignment.json
+    aside: make records them, grade checks them (a changed or missing file would grade against other answers)."""
+    files = [f for f in sorted(Path(grader).rglob("*")) if f.is_file() and f.name != "assignment.json"
+             and "__pycache__" not in f.parts]
+    return {f.relative_to(grader).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
+def check_student_syntax(folder):
+    """Refuse, in one line naming the file and line, a student copy whose kvt/ does not parse: every graded
+    function would fail alike with "SyntaxError" and no word of where."""
+    for f in sorted((Path(folder) / "kvt").glob("*.py")):
+        try:
+            ast.parse(f.read_bytes(), str(f))
+        except SyntaxError as e:
+            raise KvtError(f"{f}, line {e.lineno}: {e.msg}; fix it and grade again (python -c 'import kvt' from "
+                           "the folder shows it too)") from None
+        except ValueError as e:                                  # null bytes
+            raise KvtError(f"{f}: {e}; fix it and grade again") from None
+
 
 def grade(folder, grader, timeout=600):
     """Run an assignment's grader on a student copy; print the score table; return (points earned, possible).
@@ -792,6 +815,14 @@ def grade(folder, grader, timeout=600):
         raise KvtError("the grader runs pytest, which is not installed; pip install pytest")
     if name not in ASSIGNMENTS:
         raise KvtError(f"{grader} grades assignment {name!r}, which this kvt does not know ({', '.join(ASSIGNMENTS)})")
+    made = json.loads(info.read_text()).get("sha256")              # None: a grader of an older kvt, unchecked
+    if made is not None:
+        have = grader_hashes(grader)
+        changed = sorted(f for f in set(made) | {f"test_{name}.py"} if have.get(f) != made.get(f, "absent"))
+        if changed:
+            raise KvtError(f"{grader}: {changed[0]} was changed or removed since `kvt course make` wrote it (or "
+                           f"assignment.json was); make the assignment again")
+    check_student_syntax(folder)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder.resolve()), os.environ.get("PYTHONPATH", "")]),
            "KVT_STUDENT": str(folder.resolve()),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}   # tiny cases: more threads only wait for each other

@@ -26,7 +26,7 @@ import torch
 
 from kvt.cache import Cache
 from kvt.config import KvtError, config_from_dict, plain
-from kvt.mapper import Mapper
+from kvt.mapper import Mapper, check_pair_weights
 from kvt.model import check_ids
 
 try:
@@ -72,12 +72,14 @@ def kvt_config(model):
 
 
 def check_pair(source, target, mapper):
-    """The transformers models must be the pair the mapper was fitted for; else one line saying which differs."""
+    """The transformers models must be the pair the mapper was fitted for, in config and in weights
+    (mapper.check_pair_weights); else one line saying which differs."""
     for what, model, cfg in (("source", source, mapper.src_cfg), ("target", target, mapper.tgt_cfg)):
         have = kvt_config(model).fingerprint()
         if have != cfg.fingerprint():
             raise KvtError(f"the mapper was fitted for another {what} model (fingerprint {cfg.fingerprint()}, this "
                            f"{type(model).__name__} {have}); pass the pair it was fitted for or calibrate this one")
+    check_pair_weights(mapper, source, target)
 
 
 @torch.no_grad()

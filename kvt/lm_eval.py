@@ -37,7 +37,9 @@ How each request is answered, with kvt's own scoring (kvt/scoring.py, kvt/evals.
     generate_until         greedy (the harness's do_sample=False), kvt.evals.generate_until, until the
                            task's stop strings, EOS or max_gen_toks
 """
+import inspect
 import json
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -50,18 +52,34 @@ from kvt import dist, evals, pipeline, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
-from kvt.mapper import load_mapper
+from kvt.mapper import check_pair_weights, load_mapper
 from kvt.model import layer_devices
 from kvt.summary import average_retention, summarize
 
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 except ImportError as e:  # an optional extra, never a requirement of kvt itself
     raise KvtError(f"kvt.lm_eval needs lm-evaluation-harness ({e}); pip install 'kvt[lmeval]'") from None
 
 CONDITIONS = ("target", "source", "transfer")
+RECOMPUTE_BY = ("attention", "suffix")
+
+
+def model_arg(key, value, kind=int, least=None, most=None):
+    """A number of model_args as `kind`, within [least, most]; else one line naming key=value."""
+    try:
+        v = kind(value) if not isinstance(value, bool) else None
+        ok = v is not None and math.isfinite(v) and (kind is float or float(value) == v)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise KvtError(f"model_args {key}={value}: give {'an integer' if kind is int else 'a number'}")
+    if (least is not None and v < least) or (most is not None and v > most):
+        within = f"within [{least}, {most}]" if most is not None else f"at least {least}"
+        raise KvtError(f"model_args {key}={value}: must be {within}")
+    return v
 
 
 def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, calib_seqs=None, calib_len=None,
@@ -92,18 +110,38 @@ class KvtLM(LM):
         super().__init__()
         if condition not in CONDITIONS:
             raise KvtError(f"condition={condition}: use one of {', '.join(CONDITIONS)}")
+        recompute_last, recompute_first = (model_arg(k, v, int, 0) for k, v in
+                                           (("recompute_last", recompute_last), ("recompute_first", recompute_first)))
+        recompute_frac = model_arg("recompute_frac", recompute_frac, float, 0, 1)
+        if recompute_by not in RECOMPUTE_BY:
+            raise KvtError(f"model_args recompute_by={recompute_by}: use one of {', '.join(RECOMPUTE_BY)}")
+        if condition != "transfer" and (mapper or recompute_last or recompute_first or recompute_frac):
+            raise KvtError(f"model_args: a mapper or recompute budget needs condition=transfer (this is "
+                           f"condition={condition}); drop them or ask for condition=transfer")
+        calib_seqs = None if calib_seqs is None else model_arg("calib_seqs", calib_seqs, int, 1)
+        calib_len = None if calib_len is None else model_arg("calib_len", calib_len, int, 2)
+        if max_length is not None:
+            max_length = model_arg("max_length", max_length, int, 2)
         if pair:
             src, tgt = parse_pair(pair)
             source, target = find_weights(src, weights), find_weights(tgt, weights)
         if target is None or (source is None and condition != "target"):
             raise KvtError("model_args need source=DIR,target=DIR (or pair=FAMILY-SRC:TGT); condition=target "
                            "needs only target")
+        if mapper and not Path(mapper).is_file():
+            raise KvtError(f"model_args mapper={mapper}: no such file; give a mapper file (kvt run saves "
+                           "runs/SRC_TGT/mapper-*.safetensors), or leave mapper out to calibrate one")
+        limit = min(load_config(d).max_seq_len for d in (source, target) if d)   # checks the folders, too
+        if max_length and max_length > limit:
+            raise KvtError(f"model_args max_length={max_length}: the models hold at most {limit} positions "
+                           "(max_position_embeddings); give at most that")
         try:
             batch_size = int(str(batch_size).split(":")[0])
         except ValueError:
             raise KvtError(f"batch_size={batch_size}: give a number (kvt has no automatic batch size)") from None
-        if batch_size < 1 or int(rolling_context) < 1:
-            raise KvtError("batch_size and rolling_context must be at least 1")
+        if batch_size < 1:
+            raise KvtError(f"batch_size {batch_size}: must be at least 1")
+        rolling_context = model_arg("rolling_context", rolling_context, int, 1)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dist.check_devices([device])
         dtype = dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
@@ -123,6 +161,7 @@ class KvtLM(LM):
             src_model, tgt_model = load(source), load(target)
             if mapper:
                 m = load_mapper(mapper, src_model.config, tgt_model.config, self.tok.fingerprint())
+                check_pair_weights(m, src_model, tgt_model, f"mapper={mapper}")
             else:
                 out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
                 m = mapper_for(source, target, src_model, tgt_model, self.tok, out, dtype, calib, calib_seqs,
@@ -130,7 +169,20 @@ class KvtLM(LM):
             m = m.to(dtype=dtype).place(layer_devices(tgt_model))
             budget = Recompute(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by)
             self.cond = evals.Condition(tgt_model, evals.transfer(src_model, tgt_model, m, budget))
-        self.max_length = int(max_length or min(load_config(d).max_seq_len for d in (source, target) if d))
+        self.max_length = max_length or limit
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        """The harness's way in (--model_args "k=v,..." and its own --device, --batch_size): an unknown key
+        is refused in one line, and a key given in model_args wins over the harness's setting of it
+        (LM.create_from_arg_string passes both, a TypeError for device=cpu in model_args)."""
+        args = simple_parse_args_string(arg_string or "")
+        known = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+        unknown = [k for k in args if k not in known]
+        if unknown:
+            raise KvtError(f"model_args: unknown key {unknown[0]!r}; kvt's keys are {', '.join(known[:-1])} "
+                           "(python -m kvt.lm_eval --help, docs/lm-eval.md)")
+        return cls(**args, **{k: v for k, v in (additional_config or {}).items() if v is not None and k not in args})
 
     # ------------------------------------------------------------------------------ loglikelihood
 

@@ -24,6 +24,7 @@ unplaced mapper stays where it was made (the CPU) and every apply would copy its
 import hashlib
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -39,7 +40,7 @@ from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv, matched_kv
 from kvt.stats import (KINDS, SAVE_S, accumulate, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
                        new_stats, sums_bytes)
-from kvt.weights import write_safetensors
+from kvt.weights import model_fingerprint, write_safetensors
 
 
 @dataclass
@@ -372,7 +373,8 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     r2 = {kind: torch.tensor([fits[kind][t][2] for t in layers], dtype=torch.float64) for kind in KINDS}
     lam_used = {kind: [fits[kind][t][3] for t in layers] for kind in KINDS}
     meta = {"k": k, "lambda": lam_used, "tokenizer": tokenizer, "calib_sequences": len(calib.fit),
-            "calib_len": calib.fit.shape[1], "calib": calib.hash(), "r2": {kind: r2[kind].tolist() for kind in KINDS}}
+            "calib_len": calib.fit.shape[1], "calib": calib.hash(), "r2": {kind: r2[kind].tolist() for kind in KINDS},
+            **weights_meta(source, target)}
     if any(layers_ for step in skipped.values() for layers_ in step.values()):
         meta["lambda_skipped"] = skipped               # {step: {kind: {layer: [lambdas]}}}
         if dist.rank() == 0:
@@ -552,6 +554,9 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
     if tokenizer and meta["tokenizer"] and tokenizer != meta["tokenizer"]:
         raise KvtError(f"mapper {path} was fitted with another tokenizer ({meta['tokenizer']}, this one "
                        f"{tokenizer}); recalibrate for this pair")
+    if not {"src_weights", "tgt_weights"} <= json.loads(meta["meta"]).keys():
+        print(f"warning: mapper {path} records no fingerprint of its pair's weights (an older kvt made it), so "
+              "they cannot be checked; calibrate again to have them checked", file=sys.stderr)
     made_from = json.loads(meta["meta"]).get("key")
     if key is not None and made_from != key:
         raise KvtError(f"mapper {path} was made from other weights, data or settings ({made_from}, not {key}); "
@@ -563,3 +568,28 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
                   {kind: t[f"{kind}.layers"] for kind in KINDS}, {kind: t[f"{kind}.W"] for kind in KINDS},
                   {kind: t[f"{kind}.b"] for kind in KINDS}, {k: v for k, v in mlp.items() if v}, meta["mlp"],
                   json.loads(meta["meta"]))
+
+
+# ---- the weights a mapper was fitted on ----------------------------------------------------------------
+
+def weights_meta(source, target):
+    """What calibrate records of its pair's weights (meta["src_weights"], meta["tgt_weights"]): their
+    fingerprints (weights.weights_fingerprint), which check_pair_weights compares with the models it meets."""
+    return {"src_weights": model_fingerprint(source), "tgt_weights": model_fingerprint(target)}
+
+
+def check_pair_weights(mapper, source, target, name="the mapper"):
+    """Refuse, in one line naming the side, models whose weights are not those the mapper was fitted on:
+    one config fits a base and its instruct model, a model and its fine-tune, a function-preserving twin,
+    and the configs' fingerprints tell none of them apart. source, target: kvt or transformers models
+    (None: not checked). A mapper that records no fingerprints (an older file) is not checked here;
+    load_mapper said so when it read it."""
+    for side, model, entry in (("source", source, "src_weights"), ("target", target, "tgt_weights")):
+        made = mapper.meta.get(entry)
+        if model is None or made is None:
+            continue
+        have = model_fingerprint(model)
+        if have != made:
+            raise KvtError(f"{name} was fitted on other {side} weights (fingerprint {made}, this {side}'s {have}; one "
+                           "config, other weights: a base and an instruct model, a fine-tune, or source and target "
+                           f"swapped?); pass the {side} it was fitted on, or calibrate a mapper for these models")

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 import kvt
-from kvt import dist, evals, tasks, toy
+from kvt import dist, evals, ridge, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.cache import keep_freed_memory
 from kvt.config import KvtError, at_least, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair
@@ -52,7 +52,7 @@ from kvt.data import calibration_sequences, check_same_tokenizer
 from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
 from kvt.mapper import FORMAT as MAPPER_FORMAT
-from kvt.mapper import add_mlp, calibrate, load_mapper, save_mapper
+from kvt.mapper import add_mlp, calibrate, check_pair_weights, load_mapper, save_mapper
 from kvt.model import check_weights, layer_devices
 from kvt.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
@@ -65,6 +65,7 @@ REAL_CALIB = ("calib/wikitext-2", "calib/gutenberg")    # under the data folder:
 RECORDS_FORMAT = "kvt-records-3"                         # 3: keyed by what was scored (item_key)
 SMALL_WIDTH = 512  # models narrower than this run on one CPU thread (the toy family: 64-128 wide)
 MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
+MAX_LAM = 1e4    # --lam beyond 100x the grid's largest: every standardized direction shrunk to near zero
 
 
 def parse_args(argv=None):
@@ -151,9 +152,17 @@ def check_args(args):
     if args.lam is not None and not (math.isfinite(args.lam) and args.lam > 0):
         raise KvtError(f"--lam {args.lam}: the ridge lambda must be a positive number (or leave it out to pick one "
                        "per target layer on validation data)")
+    if args.lam is not None and args.lam > MAX_LAM:
+        raise KvtError(f"--lam {args.lam:g}: above {MAX_LAM:g} the ridge shrinks the map to nearly zero (lambda is "
+                       f"relative to each standardized feature's variance of 1; the grid ends at {ridge.LAMBDAS[-1]:g}); "
+                       f"give at most {MAX_LAM:g}, or leave it out to pick one per target layer")
     for name in ("min_attn_cos", "max_kl"):
         if not math.isfinite(getattr(args, name)):
             raise KvtError(f"--{name.replace('_', '-')} must be a number")
+    if not -1 <= args.min_attn_cos <= 1:
+        raise KvtError(f"--min-attn-cos {args.min_attn_cos}: a cosine, within [-1, 1]")
+    if args.max_kl < 0:
+        raise KvtError(f"--max-kl {args.max_kl}: a KL divergence is never negative; give a threshold of at least 0")
     if args.tasks is not None and not [t for t in args.tasks.split(",") if t.strip()]:
         raise KvtError(f"--tasks is empty; name at least one task (known: {', '.join(tasks.TASKS)})")
     if args.bench_lengths is not None:
@@ -260,7 +269,9 @@ def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
     path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
-        return load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_hash(key)).to(dtype=dtype), name
+        mapper = load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_hash(key))
+        check_pair_weights(mapper, source, target, f"mapper {path}")          # the key's file fingerprints, checked again
+        return mapper.to(dtype=dtype), name
     stats = out / f"stats-{short_hash(skey)}"
     mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=stats,
                                key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,

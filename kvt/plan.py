@@ -616,6 +616,35 @@ def rehearsal(src_cfg, tgt_cfg, names, gpu="h200", count=1, tasks=PAPER_TASKS.sp
     return "\n".join(lines), {"spare": spare, "disk": disk, "seconds": seconds, "host": host}
 
 
+MAX_COUNT = 128  # torch numbers a machine's GPUs cuda:0 .. cuda:127
+
+
+def check_request(args, names, src, tgt):
+    """Refuse, in one line each, a plan that would describe a run kvt would not make: a pair of two families
+    (no shared tokenizer), a context past the models' positions, more source layers than there are, task
+    names plan has no token counts for, or more GPUs than torch numbers."""
+    if src.family != tgt.family:
+        raise KvtError(f"--pair {args.pair}: {names[0]} and {names[1]} are of two families ({src.family}, {tgt.family}) "
+                       "with two tokenizers, and transfer needs one; name two models of one family, e.g. qwen3-14b:32b")
+    limit = min(src.max_seq_len, tgt.max_seq_len)
+    for name in ("context", "calib-len"):
+        if getattr(args, name.replace("-", "_")) > limit:
+            raise KvtError(f"--{name} {getattr(args, name.replace('-', '_'))}: the models hold at most {limit} "
+                           "positions (max_position_embeddings); give at most that")
+    if args.candidates is not None and args.candidates > src.n_layers:
+        raise KvtError(f"--candidates {args.candidates}: {names[0]} has {src.n_layers} layers; give at most that")
+    if args.k > (args.candidates or src.n_layers):
+        raise KvtError(f"--k {args.k}: {names[0]} has {args.candidates or src.n_layers} layers to select from; "
+                       "give at most that")
+    unknown = [t for t in args.tasks.split(",") if t not in EVAL_TOKENS]
+    if unknown:
+        raise KvtError(f"--tasks: plan has no token counts for {unknown[0]!r}; name tasks among "
+                       f"{', '.join(EVAL_TOKENS)} (one of like length for a task of your own)")
+    if args.count > MAX_COUNT:
+        raise KvtError(f"--count {args.count}: torch numbers at most {MAX_COUNT} GPUs in a machine; give at most "
+                       f"{MAX_COUNT} (several machines: plan one and see docs/scale.md)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="kvt plan", description="Print the memory plan of a pair on named GPUs (no "
                                  "hardware needed).")
@@ -643,6 +672,7 @@ def main(argv=None):
         at_least(name, getattr(args, name.replace("-", "_")), least)
     names = parse_pair(args.pair)
     src, tgt = (shape(n) for n in names)
+    check_request(args, names, src, tgt)
     kw = dict(k=args.k, context=args.context, batch=args.batch, calib_len=args.calib_len,
               dtype=getattr(torch, args.dtype), candidates=args.candidates)
     if args.summary:

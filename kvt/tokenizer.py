@@ -9,17 +9,21 @@ Generation stops at any of `stop_ids`: the checkpoint's end-of-sequence tokens (
 """
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from kvt.config import KvtError
+from kvt.config import KvtError, download_hint
 
 
 class Tokenizer:
     def __init__(self, path):
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
+        if file.is_symlink() and not file.exists():
+            raise KvtError(f"{file} links to {os.readlink(file)}, which is gone (an interrupted download, or a pruned "
+                           f"cache); download again with: {download_hint(file.parent)}")
         if not file.exists():
             raise KvtError(f"no tokenizer.json at {path}; the checkpoint folder should contain one")
         try:

@@ -58,6 +58,65 @@ def fingerprint(path, samples=16, chunk=4096):
     return h.hexdigest()[:12]
 
 
+# ---- the weights a KV cache depends on, fingerprinted (a mapper records its pair's) --------------------
+
+KV_TENSORS = ("embed_tokens.weight", "layers.")  # under the decoder: what shapes the cache (not the final norm, nor the head)
+SAMPLE_ROWS, SAMPLE_COLS = 4, 16                 # per tensor: 4 evenly spaced rows, 16 middle columns of each
+FP16_NORMAL = 2.0 ** -14                         # the smallest normal float16
+
+
+def _decoder_name(name):
+    """The decoder-relative name of a tensor ("layers.0.self_attn.k_proj.weight"), whatever prefix the
+    checkpoint (LAYOUTS), kvt ("model.") or transformers gives it; None for tensors the cache does not read."""
+    prefixes = sorted({p for layouts in LAYOUTS.values() for p, _ in layouts} | {"model."}, key=len, reverse=True)
+    rest = next((name[len(p):] for p in prefixes if name.startswith(p)), None)
+    return rest if rest is not None and rest.startswith(KV_TENSORS) else None
+
+
+def weights_fingerprint(named):
+    """A short hex id of the weights a KV cache depends on, from {name: tensor or safetensors slice}: the
+    same for a checkpoint folder (folder_fingerprint) and for a model loaded from it (model_fingerprint),
+    kvt's or transformers'. Tensors in the order of their decoder-relative names; from each, 4 evenly
+    spaced rows x 16 middle columns (a few thousand values at any model size: never a whole tensor read).
+    Values are hashed rounded to bfloat16, with magnitudes below float16's smallest normal as 0: a bf16
+    checkpoint gives one id loaded in float32, bfloat16 or float16, a float32 one in float32 or bfloat16
+    (float16 rounds it differently). Two trainings of one config (a base and its instruct model, a
+    fine-tune, a function-preserving twin) get different ids."""
+    h = hashlib.sha256()
+    for key, name in sorted((k, n) for n in named if (k := _decoder_name(n)) is not None):
+        t = named[name]
+        shape = tuple(t.get_shape() if hasattr(t, "get_shape") else t.shape)
+        h.update(f"{key} {shape}".encode())
+        cols = shape[-1]
+        c0 = max(0, (cols - SAMPLE_COLS) // 2)
+        if len(shape) == 1:
+            blocks = [t[c0:c0 + SAMPLE_COLS]]
+        else:
+            rows = sorted({i * (shape[0] - 1) // (SAMPLE_ROWS - 1) for i in range(SAMPLE_ROWS)})
+            blocks = [t[r:r + 1, c0:c0 + SAMPLE_COLS] for r in rows]
+        for x in blocks:
+            x = x.detach().float().cpu().to(torch.bfloat16).float()
+            x = torch.where(x.abs() < FP16_NORMAL, 0.0, x) + 0.0          # + 0.0: -0.0 hashes as 0.0
+            h.update(x.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def folder_fingerprint(path):
+    """weights_fingerprint of a checkpoint folder, read through its safetensors headers and a few small
+    slices (memory-mapped; a 32B checkpoint costs a few thousand reads of 32 bytes)."""
+    files = shard_files(path)
+    handles = {f: _open(f) for f in set(files.values())}
+    try:
+        return weights_fingerprint({name: handles[f].get_slice(name) for name, f in files.items()})
+    except (SafetensorError, OSError) as e:
+        raise KvtError(f"{path}: cannot read its weights ({e}); the file is truncated, download it again")
+
+
+def model_fingerprint(model):
+    """weights_fingerprint of a loaded model's parameters: a kvt model, or a transformers one."""
+    return weights_fingerprint(dict(model.named_parameters()))
+
+
 def _open(file):
     try:
         return safe_open(file, framework="pt")
