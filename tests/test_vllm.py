@@ -122,3 +122,59 @@ def test_target_engine_equals_kvt_handoff(case):
         apart = max(abs(lp - own_lp[t].item()) for t, lp in got.items())
         assert apart > 10 * ATOL, f"{len(p)} tokens: the handoff should differ from the target's own prefill"
         assert out["tokens"] == kvt.generate(case["kt"], logits[:, -1], cache, NEW)[0], f"{len(p)} tokens"
+
+
+def assert_own_prefill(case, p, out, what):
+    """A fallback: the target engine's tokens and first-step logprobs are the target's own prefill."""
+    ids = torch.tensor([p])
+    own_lp, tokens = own(case["kt"], ids)
+    err = max(abs(lp - own_lp[int(t)].item()) for t, lp in out["logprobs"].items())
+    assert err <= ATOL, f"{what}: first-step logprobs differ from the target's own prefill by {err:.2e}"
+    assert out["tokens"] == tokens, what
+
+
+def test_fallbacks_run_the_targets_own_prefill(case):
+    """A request whose KV file is missing, was saved by another model than the mapper's source, holds
+    another prompt's tokens, or fails to load on the worker (a file that passes the scheduler's checks but
+    holds KV of the wrong shape) runs the target's own prefill and says why in kv_transfer_params.
+    Guards serving a mismatched cache silently, and a failed load left in the blocks (vLLM recomputes
+    the blocks the connector reports through get_block_ids_with_load_errors)."""
+    from kvt.cache import save_kv
+    tmp, kt, tok, mapper = case["tmp"], case["kt"], case["tok"], case["mapper"]
+    p1, p2 = case["prompts"][1], case["prompts"][2]
+    _, own_cache = kt(torch.tensor([p1]), last=True)
+    save_kv(tmp / "other-model.kv", own_cache, p1, kt.config.fingerprint(), tok.fingerprint())
+    _, src_cache = case["ks"](torch.tensor([p1]), last=True)
+    half = src_cache._map(lambda t: t[..., :t.shape[-1] // 2].contiguous(), time_fn=lambda t: t)  # D/2: unmappable
+    save_kv(tmp / "broken.kv", half, p1, mapper.src_cfg.fingerprint(), tok.fingerprint())
+    cases = [(p1, tmp / "missing.kv", "not a readable KV file"),
+             (p1, tmp / "other-model.kv", "saved by another model"),
+             (p2, tmp / "p1.kv", "other tokens than this prompt's"),
+             (p1, tmp / "broken.kv", "the load failed on the worker")]
+    outs = engine(case["py"], "target", ROOT / "weights" / "toy-m",
+                  [{"ids": p, "load": str(f)} for p, f, _ in cases] + [{"ids": p2, "load": None}], tmp,
+                  "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW))
+    for (p, f, why), out in zip(cases, outs):
+        assert why in out["kv_transfer_params"]["kvt"].get("fallback", ""), (f.name, out["kv_transfer_params"])
+        assert_own_prefill(case, p, out, f.name)
+    assert outs[-1]["kv_transfer_params"] is None, "a request that loads nothing carries no kvt verdict"
+    assert_own_prefill(case, p2, outs[-1], "no load")
+
+
+def test_an_unfit_gate_falls_back(case):
+    """With gate thresholds the mapper fails (max_kl=0), every request runs the target's own prefill and
+    says the gate found the mapper unfit: guards serving a mapper its own diagnostics reject."""
+    tmp, p = case["tmp"], case["prompts"][1]
+    (out,) = engine(case["py"], "target", ROOT / "weights" / "toy-m", [{"ids": p, "load": str(tmp / "p1.kv")}], tmp,
+                    "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW), "--gate", "max_kl=0")
+    assert out["kv_transfer_params"]["kvt"]["fallback"].startswith("gate: unfit (next-token KL"), out
+    assert_own_prefill(case, p, out, "unfit gate")
+
+
+def test_a_target_with_a_prefix_cache_is_refused(case):
+    """A target engine with prefix caching on would commit the mapped blocks under the prompt's exact block
+    hashes and serve them as exact KV to a later request: the connector refuses to start, in one line."""
+    tmp = case["tmp"]
+    message = engine(case["py"], "prefix-caching", ROOT / "weights" / "toy-m", [], tmp,
+                     "--mapper", str(tmp / "m.safetensors"))
+    assert "start it with enable_prefix_caching=False" in message, message
