@@ -121,11 +121,12 @@ class KvtConnector(KVConnectorBase_V1):
         folder = vllm_config.model_config.model
         self.cfg, self.tokenizer = load_config(folder), load_tokenizer(folder).fingerprint()
         self.block_size = vllm_config.cache_config.block_size
-        isa = _get_attn_isa(vllm_config.model_config.dtype, self.block_size, self.cfg.head_dim)
-        if isa != "vec":
-            raise KvtError(f"kvt's connector knows vLLM's CPU KV layout of its 'vec' kernels, not '{isa}' "
-                           f"({vllm_config.model_config.dtype}, head dim {self.cfg.head_dim}); start the engine "
-                           "with dtype='float32' (head dims that are multiples of 32)")
+        dtype = vllm_config.model_config.dtype
+        isa = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
+        if dtype != torch.float32 or isa != "vec":
+            raise KvtError(f"kvt's connector knows vLLM's CPU KV layout in float32 ('vec' kernels), not {dtype} "
+                           f"('{isa}' kernels, head dim {self.cfg.head_dim}); start the engine with dtype='float32' "
+                           "(head dims that are multiples of 32)")
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.mapper, self.unfit = None, None
         if extra.get("mapper"):

@@ -201,10 +201,12 @@ def test_an_unfit_gate_falls_back(case):
 
 
 @pytest.mark.slow
-def test_a_target_with_a_prefix_cache_is_refused(case):
+def test_a_target_with_a_prefix_cache_or_another_layout_is_refused(case):
     """A target engine with prefix caching on would commit the mapped blocks under the prompt's exact block
-    hashes and serve them as exact KV to a later request: the connector refuses to start, in one line."""
-    tmp = case["tmp"]
-    message = engine(case["py"], "prefix-caching", ROOT / "weights" / "toy-m", [], tmp,
-                     "--mapper", str(tmp / "m.safetensors"))
-    assert "start it with enable_prefix_caching=False" in message, message
+    hashes and serve them as exact KV to a later request; one in bf16 keeps its KV in a layout (AMX kernels
+    on this CPU) the connector does not read. Either refuses to start, saying what to do."""
+    tmp, m = case["tmp"], str(case["tmp"] / "m.safetensors")
+    for args, want in ((["--prefix-caching"], "start it with enable_prefix_caching=False"),
+                       (["--dtype", "bfloat16"], "start the engine with dtype='float32'")):
+        message = engine(case["py"], "start", ROOT / "weights" / "toy-m", [], tmp, "--mapper", m, *args)
+        assert want in message, message

@@ -3,6 +3,7 @@
     python -m tests.vllm_engines source weights/toy-s requests.json out.json
     python -m tests.vllm_engines target weights/toy-m requests.json out.json --mapper m.safetensors [--gate max_kl=0]
     python -m tests.vllm_engines ttft weights/toy-m requests.json out.json --mapper m.safetensors --repeats 5
+    python -m tests.vllm_engines start weights/toy-m none.json out.json --mapper m.safetensors --prefix-caching
 
 requests.json: a list of {"ids": [...], "save": path} (source) or {"ids": [...], "load": path or null} (target).
 Each engine runs in its own process (vLLM keeps one KV connector per process), in float32, eagerly, on the
@@ -21,13 +22,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def engine(model, mapper=None, role="kv_consumer", gate=None, prefix_caching=False):
+def engine(model, mapper=None, role="kv_consumer", gate=None, prefix_caching=False, dtype="float32"):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from kvt.serving import connector_config
     config = KVTransferConfig(**connector_config(mapper, role, **(gate or {})))
-    return LLM(model=str(model), dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
+    return LLM(model=str(model), dtype=dtype, max_model_len=2048, enforce_eager=True, seed=0,
                enable_prefix_caching=prefix_caching, kv_transfer_config=config)
 
 
@@ -73,7 +74,7 @@ def ttft(llm, requests, repeats):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["source", "target", "ttft", "prefix-caching"])
+    p.add_argument("what", choices=["source", "target", "ttft", "start"])
     p.add_argument("model")
     p.add_argument("requests")
     p.add_argument("out")
@@ -81,12 +82,14 @@ def main():
     p.add_argument("--gate", nargs="*", default=[], help="handoff.gate thresholds, name=value")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefix-caching", action="store_true", help="start: with vLLM's prefix cache on")
+    p.add_argument("--dtype", default="float32", help="start: the engine's dtype")
     a = p.parse_args()
-    requests = json.load(open(a.requests))
+    requests = json.load(open(a.requests)) if a.what != "start" else []
     gate = {k: float(v) for k, v in (g.split("=") for g in a.gate)}
-    if a.what == "prefix-caching":                  # the target must refuse a prefix cache: one line, no engine
+    if a.what == "start":                           # does the engine start? "started" or why not
         try:
-            engine(a.model, a.mapper, prefix_caching=True)
+            engine(a.model, a.mapper, prefix_caching=a.prefix_caching, dtype=a.dtype)
             result = "started"
         except Exception as e:  # vLLM wraps the connector's KvtError; its message is what we check
             result = str(e)
