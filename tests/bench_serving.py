@@ -6,7 +6,7 @@ On the toy pair toy-s -> toy-m: fits a mapper with kvt (as tests/test_vllm.py do
 save each prompt's KV, then in one target engine times generate(max_tokens=1) per prompt with its load
 (the connector maps T - 1 slots, the target runs the last token) and without (the target's own prefill),
 alternating, the median of --repeats after a warm-up round (tests/vllm_engines.py ttft). vLLM's Python:
---python, KVT_VLLM_PYTHON, or this one.
+--python, KVT_VLLM_PYTHON (e.g. ../venv-vllm/bin/python, docs/serving.md), or this one.
 """
 import argparse
 import json
