@@ -16,6 +16,7 @@ Stages, in the order data flows (a module never imports from a later one):
   hf                                                            transformers interop: DynamicCache, transfer
   pipeline, cli                                                 everything end to end (run.py); the kvt command
   lm_eval                                                       kvt's conditions inside lm-evaluation-harness
+  serving                                                       a vLLM KV connector: source engine -> target engine
   course                                                        assignments cut out of kvt, and their autograder
 """
 __version__ = "0.2.0"

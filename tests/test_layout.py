@@ -7,7 +7,7 @@ import kvt
 KVT = Path(kvt.__file__).parent
 ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "cache", "model", "scoring", "toy", "family",
          "capture", "stats", "ridge", "mlp", "mapper", "plan", "handoff", "figures",
-         "answers", "tasks", "summary", "evals", "bench", "cascade", "hf", "pipeline", "cli", "lm_eval", "course"]
+         "answers", "tasks", "summary", "evals", "bench", "cascade", "hf", "pipeline", "cli", "lm_eval", "serving", "course"]
 
 
 def kvt_imports(file):
@@ -38,3 +38,15 @@ def test_each_file_opens_with_what_it_is():
     for f in KVT.glob("*.py"):
         doc = ast.get_docstring(ast.parse(f.read_text()))
         assert doc and len(doc) > 40, f"kvt/{f.name} needs a docstring saying what it is"
+
+
+def test_only_the_serving_connector_imports_vllm():
+    """vLLM is an optional extra (kvt[vllm]): an `import vllm` anywhere else would make kvt's core need it."""
+    for f in KVT.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+        assert "vllm" not in names or f.stem == "serving", f"kvt/{f.name} imports vllm; only kvt/serving.py may"

