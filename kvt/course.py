@@ -863,7 +863,7 @@ def toy_calibration(n_seqs=40):
 
 def heldout_r2(fit, val):
     """Validation R^2 of the ridge fit of y on x, (x (G, N, F), y (G, N, O)) per region, at its best lambda."""
-    sf, sv = (stats.Sums.zeros(x.shape[0], x.shape[2], y.shape[2]).add_(x.double(), y.double(), products=f64)
+    sf, sv = (stats.Sums.zeros(x.shape[0], x.shape[2], y.shape[2]).add_(x.double(), y.double())
               for x, y in (fit, val))
     eig = ridge.eigen(sf)
     return max(1 - (ridge.sse(sv, *ridge.weights(eig, lam)).sum() / ridge.sst(sv).sum()).item() for lam in ridge.LAMBDAS)
