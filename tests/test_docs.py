@@ -1,6 +1,7 @@
 """README.md and docs/*.md stay true to the repository: every relative link leads to a file (and its
 #anchor to a heading), every repository path they name exists (tutorial.md's too), and every command
-in their ```bash blocks is accepted by kvt's own argument parsers, parsed without running anything.
+in their ```bash blocks is accepted by kvt's own argument parsers, parsed without running anything
+(tests/test_commands.py, a slow check, runs every command they and tutorial.md show: shown_commands).
 
 What counts as a path: a whitespace-separated word inside `backticks` or a ```bash block whose first
 component is one of REPO_DIRS (`kvt/mapper.py`, `tests/test_x.py`, `docs/x.md`, `weights/toy-s`).
