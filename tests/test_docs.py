@@ -1,6 +1,7 @@
 """README.md and docs/*.md stay true to the repository: every relative link leads to a file (and its
 #anchor to a heading), every repository path they name exists (tutorial.md's too), and every command
-in their ```bash blocks is accepted by kvt's own argument parsers, parsed without running anything.
+in their ```bash blocks is accepted by kvt's own argument parsers, parsed without running anything
+(tests/test_commands.py, a slow check, runs every command they and tutorial.md show: shown_commands).
 
 What counts as a path: a whitespace-separated word inside `backticks` or a ```bash block whose first
 component is one of REPO_DIRS (`kvt/mapper.py`, `tests/test_x.py`, `docs/x.md`, `weights/toy-s`).
@@ -100,19 +101,48 @@ def missing_paths(doc):
     return sorted(set(out))
 
 
-def commands(doc):
-    """[(line number, command)] of every command in doc's ```bash blocks (continuations joined, comments
-    and blank lines dropped, `a && b` split in two)."""
-    text, out = text_of(doc), []
+COMMAND_WORDS = ("python", "kvt", "torchrun", "pip", "bash", "/usr/bin/time")  # what a shown command starts with
+
+
+def starts_a_command(line):
+    """Whether line's first word, after any VAR=value and a `$ ` prompt, is one of COMMAND_WORDS."""
+    words = [w for w in line.split() if not re.match(r"^[A-Z_]+=", w)]
+    return bool(words) and words[0 if words[0] != "$" else 1:][:1] in ([w] for w in COMMAND_WORDS)
+
+
+def shown_commands(doc):
+    """[(line number, command)] of every command doc shows: every line of its ```bash blocks, and every line
+    that starts a command (COMMAND_WORDS) in its other code blocks: fenced (```text, ```console, a bare
+    ```) or indented by 4 spaces; ```python blocks are code, not commands. Continuations are joined (the
+    number is the first line's), `# comments` and a `$ ` prompt dropped, `a && b` split in two.
+
+    Inline `code` in prose is not read: there a command is mostly named rather than shown (`kvt bench`,
+    `kvt run --recompute-*`, `kvt cascade RECORDS [--recompute RECORDS]`), and telling a runnable one from
+    a name would take a second, fuzzier parser."""
+    text, lines = text_of(doc), []  # lines: (number, text, whether every line counts) of every code line
     for m in FENCE.finditer(text):
-        if m.group(1) != "bash":
-            continue
-        first = text.count("\n", 0, m.start()) + 2
-        for i, line in enumerate(m.group(2).replace("\\\n", " ").splitlines()):
-            line = line.split(" #")[0].strip()
-            if line and not line.startswith("#"):
-                out += [(first + i, part.strip()) for part in line.split("&&")]
+        if m.group(1) != "python":
+            first = text.count("\n", 0, m.start()) + 2
+            lines += [(first + i, line, m.group(1) == "bash") for i, line in enumerate(m.group(2).splitlines())]
+    blank = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # the prose, lines where they were
+    lines += [(i + 1, line, False) for i, line in enumerate(blank.splitlines()) if line.startswith("    ")]
+    out, held = [], None  # held: (number, text so far) of a command continued with a trailing backslash
+    for n, line, every in sorted(lines):
+        if held:
+            n, line, every = held[0], held[1] + " " + line.strip(), True
+        line = line.split(" #")[0].strip().removeprefix("$ ")
+        held = (n, line[:-1].strip()) if line.endswith("\\") else None
+        if not held and line and not line.startswith("#") and (every or starts_a_command(line)):
+            out += [(n, part.strip()) for part in line.split("&&")]
     return out
+
+
+def commands(doc):
+    """[(line number, command)] of every command in doc's ```bash blocks (see shown_commands)."""
+    text = text_of(doc)
+    bash = {text.count("\n", 0, m.start()) + 2 + i for m in FENCE.finditer(text) if m.group(1) == "bash"
+            for i in range(m.group(2).count("\n"))}
+    return [(n, c) for n, c in shown_commands(doc) if n in bash]
 
 
 class Parsed(Exception):
