@@ -174,6 +174,12 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"python -m kvt\.lm_eval retention runs/lmeval-smollm2-self/.*",
      NotRun("reads the folders of docs/lm-eval.md:90-91, not run here (above); tests/test_lm_eval.py::"
             "test_retention_pairs_by_doc_id runs retention")),
+    (r"python -m venv \.\./venv-vllm",
+     NotRun("vLLM's own environment, installed from the network (docs/serving.md); tests/test_vllm.py's slow "
+            "tests build the same one (or take KVT_VLLM_PYTHON) and run the connector in it")),
+    (r"python -m tests\.bench_serving .*",
+     NotRun("needs that vLLM environment (KVT_VLLM_PYTHON); tests/test_vllm.py::"
+            "test_target_engine_equals_kvt_handoff runs the same engines through the connector")),
     (r"python tests/test_tutorial\.py > /tmp/tutorial\.py",  # the script is its output: not written to /tmp
      Run(r"^# ---- tutorial\.md:\d+$", edit=lambda argv: argv[:2])),
 ]
