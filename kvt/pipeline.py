@@ -87,6 +87,9 @@ def parse_args(argv=None):
     ap.add_argument("--scope", choices=["layer", "head"], default="layer",
                     help="layer: each target head from all heads of the selected layers (the paper's, default); "
                     "head: head h from head h (kvt's option, about 8x smaller)")
+    ap.add_argument("--weights", choices=["uniform", "attention"], default="uniform",
+                    help="ridge token weights: uniform (the paper's, default) or attention (CacheBridge's "
+                    "attention-weighted fit, kvt's option; --scope head only, kvt/attnfit.py)")
     ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"], default="ridge",
                     help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
                     "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
@@ -135,6 +138,8 @@ def parse_args(argv=None):
 def check_args(args):
     """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
     positive = at_least
+    if args.weights == "attention" and args.scope != "head":
+        raise KvtError("--weights attention is the head-local attention-weighted fit; add --scope head")
     positive("k", args.k, why=" (source layers per target layer; the paper uses 8)")
     positive("calib-seqs", args.calib_seqs, why=" (calibration sequences; the paper uses 500)")
     positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
@@ -229,12 +234,13 @@ def mapper_key(args, stats):
     """Everything a mapper is made from: its statistics' key and the settings of the fit. A different
     request, or the same one on retrained weights, never reuses a mapper (nor records made with it)."""
     return {**stats, "format": MAPPER_FORMAT, "stats_format": stats["format"], "scope": args.scope, "k": args.k,
-            "lambda": args.lam, "mapper": args.mapper}
+            "lambda": args.lam, "mapper": args.mapper, **({"weights": args.weights} if args.weights != "uniform" else {})}
 
 
 def mapper_name(args, skey):
     key = mapper_key(args, skey)
-    return f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
+    weighted = "-attn" if key.get("weights") == "attention" else ""
+    return f"{key['scope']}-k{key['k']}-{key['mapper']}{weighted}-{short_hash(key)}"
 
 
 def check_disk(out, plans, args, skeys):
@@ -265,7 +271,7 @@ def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
     mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=stats,
                                key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
                                stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
-                               progress=dist.rank() == 0, keep_stats=args.keep_stats)
+                               progress=dist.rank() == 0, keep_stats=args.keep_stats, weights=args.weights)
     if args.mapper in MLP_MODES:
         mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0,
                          checkpoint=out / f"mlp-{name}", key=short_hash(key))
@@ -620,7 +626,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     table = format_summary(summary, average, src_name, tgt_name)
     k_used = mapper.meta.get("k", args.k)
     report = [f"# kvt: {src_name} -> {tgt_name}", "",
-              f"mapper: {name}, {args.mapper}, {args.scope} scope, k={k_used}"
+              f"mapper: {name}, {args.mapper}, {args.scope} scope, {args.weights} weights, k={k_used}"
               + (f" (of {args.k} asked; the source has {src_cfg.n_layers} layers)" if k_used != args.k else "")
               + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
               f"{args.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
