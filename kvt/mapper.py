@@ -325,7 +325,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     if weights not in ("uniform", "attention"):
         raise KvtError(f"token weights {weights!r} are not known; use 'uniform' or 'attention'")
     if weights == "attention" and scope != "head":
-        raise KvtError("the attention-weighted fit (--weights attention) is head-local; use it with --scope head")
+        raise KvtError("the attention-weighted fit (--token-weights attention) is head-local; use it with --scope head")
     matched = matched_kv(src_cfg, tgt_cfg)
     device = stats_device or next(source.parameters()).device
     lams = ridge.LAMBDAS if lam is None else (lam,)

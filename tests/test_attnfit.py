@@ -126,7 +126,7 @@ def test_token_weights_are_the_attention_sensitivities():
 
 
 def test_attention_weights_need_head_scope():
-    """--weights attention with layer scope is refused in one line (the fit is head-local)."""
+    """--token-weights attention with layer scope is refused in one line (the fit is head-local)."""
     source, target = pair()
     with pytest.raises(KvtError, match="--scope head"):
         calibrate(source, target, calib(source.config.vocab_size), scope="layer", k=2, progress=False,

@@ -460,3 +460,18 @@ def test_exact_pair_transfer_keeps_every_answer():
     assert answers["transfer"] == answers["target"], answers
     agree = S.coqa_agreement(crecs)
     assert agree["turns"] == [2, 3] and agree["f1"] == [100.0, 100.0] and agree["drift_per_turn"] == 0.0
+
+
+def test_context_gain_is_the_share_of_the_floors_nll_the_transfer_takes_off():
+    """context_gain = (floor - transfer) / (floor - target) over the windows' mean NLLs, with a seeded
+    bootstrap interval over windows that holds the point. Guards: the ratio inverted or taken per window
+    and averaged, an unseeded interval."""
+    from kvt.summary import context_gain
+    f64 = torch.float64
+    nll = {"floor": torch.tensor([3.0, 3.0, 4.0], dtype=f64), "transfer": torch.tensor([2.0, 2.5, 3.5], dtype=f64),
+           "target": torch.tensor([1.0, 2.0, 3.0], dtype=f64)}
+    g = context_gain(nll, n_boot=200, seed=3)
+    assert abs(g["gain"] - (10 / 3 - 8 / 3) / (10 / 3 - 2)) < 1e-12, g           # means 10/3, 8/3, 2: 0.5
+    lo, hi = g["gain_ci"]
+    assert lo <= g["gain"] <= hi and g["gain_ci"] == context_gain(nll, n_boot=200, seed=3)["gain_ci"]
+    assert g["nll"] == {"floor": 10 / 3, "transfer": 8 / 3, "target": 2.0}
