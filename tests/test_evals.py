@@ -467,11 +467,15 @@ def test_context_gain_is_the_share_of_the_floors_nll_the_transfer_takes_off():
     bootstrap interval over windows that holds the point. Guards: the ratio inverted or taken per window
     and averaged, an unseeded interval."""
     from kvt.summary import context_gain
-    f64 = torch.float64
-    nll = {"floor": torch.tensor([3.0, 3.0, 4.0], dtype=f64), "transfer": torch.tensor([2.0, 2.5, 3.5], dtype=f64),
-           "target": torch.tensor([1.0, 2.0, 3.0], dtype=f64)}
-    g = context_gain(nll, n_boot=200, seed=3)
-    assert abs(g["gain"] - (10 / 3 - 8 / 3) / (10 / 3 - 2)) < 1e-12, g           # means 10/3, 8/3, 2: 0.5
-    lo, hi = g["gain_ci"]
-    assert lo <= g["gain"] <= hi and g["gain_ci"] == context_gain(nll, n_boot=200, seed=3)["gain_ci"]
-    assert g["nll"] == {"floor": 10 / 3, "transfer": 8 / 3, "target": 2.0}
+    g = torch.Generator().manual_seed(0)
+    target = 2 + torch.rand(12, generator=g, dtype=torch.float64)
+    floor = target + 1 + torch.rand(12, generator=g, dtype=torch.float64)
+    transfer = target + (floor - target) * torch.rand(12, generator=g, dtype=torch.float64)
+    nll = {"floor": floor, "transfer": transfer, "target": target}
+    got = context_gain(nll, n_boot=200, seed=3)
+    want = ((floor.mean() - transfer.mean()) / (floor.mean() - target.mean())).item()
+    assert abs(got["gain"] - want) < 1e-12, (got["gain"], want)
+    lo, hi = got["gain_ci"]
+    assert lo < got["gain"] < hi and got["gain_ci"] == context_gain(nll, n_boot=200, seed=3)["gain_ci"]
+    assert got["gain_ci"] != context_gain(nll, n_boot=200, seed=4)["gain_ci"], "the seed must reach the bootstrap"
+    assert abs(got["nll"]["floor"] - floor.mean().item()) < 1e-12 and got["windows"] == 12
