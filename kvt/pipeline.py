@@ -85,16 +85,17 @@ def parse_args(argv=None):
     ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
     ap.add_argument("--lam", type=float, help="ridge lambda on standardized features (default: the best of "
                     "ridge.LAMBDAS per target layer and kind, on the validation region; the paper gives none)")
-    ap.add_argument("--scope", choices=["layer", "head"], default="layer",
+    ap.add_argument("--scope", choices=["layer", "head", "head-local"], default="layer",
                     help="layer: each target head from all heads of the selected layers (the paper's, default); "
-                    "head: head h from head h (kvt's option, about 8x smaller)")
+                    "head (= head-local, CacheBridge's name): head h from head h of the selected layers (kvt's "
+                    "option, about 8x smaller)")
     ap.add_argument("--token-weights", choices=["uniform", "attention"], default="uniform",
                     help="ridge token weights: uniform (the paper's, default) or attention (CacheBridge's "
                     "attention-weighted fit, kvt's option; --scope head only, kvt/attnfit.py)")
     ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"], default="ridge",
                     help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
                     "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
-    ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS})")
+    ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS}); none: no tasks")
     ap.add_argument("--task-file", type=Path, action="append", default=[],
                     help="a Python file of your own tasks (kvt.tasks.Task), imported before --tasks is read; "
                     "repeat for several")
@@ -146,6 +147,8 @@ def parse_args(argv=None):
 def check_args(args):
     """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
     positive = at_least
+    if args.scope == "head-local":                 # CacheBridge's name for kvt's head scope: the same map
+        args.scope = "head"
     positive("nll-windows", args.nll_windows, why=" (held-out windows per text)")
     positive("nll-next", args.nll_next, why=" (tokens scored after the context)")
     if args.token_weights == "attention" and args.scope != "head":
@@ -575,6 +578,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         origin.update(dict.fromkeys(names, f))
         print(f"{f}: tasks {', '.join(names)}")
     task_names = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
+    task_names = [] if task_names == ["none"] else task_names      # --tasks none: diagnostics (and --heldout) only
     limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
     for name in limits:
         if name not in task_names:
