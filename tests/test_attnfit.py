@@ -8,8 +8,9 @@ import kvt
 from kvt import attnfit, ridge
 from kvt.config import KvtError
 from kvt.mapper import calibrate
-from kvt.stats import Sums
-from tests.conftest import calib_of, tiny_config
+from kvt.stats import FIELDS, Sums, accumulate, load_stats
+from conftest import calib_of, tiny_config
+from test_stats import DiesAfter, Interrupted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,3 +132,24 @@ def test_attention_weights_need_head_scope():
     with pytest.raises(KvtError, match="--scope head"):
         calibrate(source, target, calib(source.config.vocab_size), scope="layer", k=2, progress=False,
                   weights="attention")
+
+
+def test_weighted_pass_resumes_bit_identically(tmp_path):
+    """The r-weighted sums checkpoint and resume like calibration's own: an interrupted pass resumed from
+    its checkpoint gives the unbroken pass's sums bit for bit (sum r^2 in n included). Guards: a
+    checkpoint that drops the per-group n, or a resumed pass that weights its batches differently."""
+    source, target = pair(seed=5)
+    c = calib(source.config.vocab_size, seed=2)
+    selected = {kind: torch.tensor([[0, 2], [1, 2], [0, 1]]) for kind in ("k", "v")}
+
+    def fresh():
+        return attnfit.new_weighted_stats(source.config, target.config, selected, key="t")
+    kw = dict(add=attnfit.add_weighted, capture_target=attnfit.capture_weighted, progress=False)
+    whole = accumulate(source, target, c, fresh(), 2, every=2, **kw)
+    path = tmp_path / "attn.safetensors"
+    with pytest.raises(Interrupted):
+        accumulate(DiesAfter(source, 3), target, c, fresh(), 2, path, every=2, save_s=0, **kw)
+    assert load_stats(path).seen == 4
+    resumed = accumulate(source, target, c, fresh(), 2, path, every=2, save_s=0, **kw)
+    assert all(torch.equal(getattr(resumed.sums[n], f), getattr(whole.sums[n], f)) for n in whole.sums for f in FIELDS)
+    assert whole.sums["k.fit"].n.shape == (3 * 2,) and (whole.sums["k.fit"].n > 0).all()
