@@ -153,3 +153,15 @@ def test_weighted_pass_resumes_bit_identically(tmp_path):
     resumed = accumulate(source, target, c, fresh(), 2, path, every=2, save_s=0, **kw)
     assert all(torch.equal(getattr(resumed.sums[n], f), getattr(whole.sums[n], f)) for n in whole.sums for f in FIELDS)
     assert whole.sums["k.fit"].n.shape == (3 * 2,) and (whole.sums["k.fit"].n > 0).all()
+
+
+def test_run_refuses_attention_weights_outside_head_scope():
+    """`kvt run --token-weights attention` without --scope head is one line before any work, and
+    --scope head-local is kvt's head scope by another name. Guards: the refusal reached only after the
+    models load, or head-local refused as an unknown scope."""
+    from kvt.pipeline import check_args, parse_args
+    with pytest.raises(KvtError, match="add --scope head"):
+        check_args(parse_args(["--token-weights", "attention"]))
+    args = parse_args(["--scope", "head-local", "--token-weights", "attention"])
+    check_args(args)
+    assert args.scope == "head"
