@@ -6,7 +6,7 @@ Stages, in the order data flows (a module never imports from a later one):
   toy                                                           a tiny trained family for offline use
   family                                                        smaller siblings of a checkpoint: prune, heal
   capture, stats                                                position-free KV -> streamed statistics
-  ridge, mlp                                                    fit
+  ridge, attnfit, mlp                                           fit (attnfit: attention-weighted, kvt's option)
   mapper, plan, handoff                                         apply a map, plan memory, hand a context over
   figures                                                       the layer R^2 map; diagnostics vs retention
   answers, tasks                                                answer metrics; the task registry and items

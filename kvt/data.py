@@ -181,3 +181,17 @@ def check_same_tokenizer(src_tok, tgt_tok):
     if src_tok.fingerprint() != tgt_tok.fingerprint():
         raise KvtError(f"source and target tokenizers differ (fingerprints {src_tok.fingerprint()} vs "
                        f"{tgt_tok.fingerprint()}); KV transfer needs two models of one family sharing a tokenizer")
+
+
+def heldout_windows(paths_or_dir, tokenizer, count, length, documents=None):
+    """`count` windows (count, length) of token ids from held-out text (files, or `documents`, a list of
+    strings), the documents' ids joined end to end, the windows evenly spaced and never overlapping;
+    fewer when the text holds fewer. For the context-gain measure (handoff.next_nll)."""
+    docs = documents if documents is not None else read_documents(paths_or_dir)
+    ids = [i for d in docs for i in tokenizer.encode(d)]
+    slots = len(ids) // length
+    if slots < 1:
+        raise KvtError(f"held-out text {paths_or_dir or 'given'} has {len(ids)} tokens, fewer than one window of "
+                       f"{length}; pass a longer text or a shorter --nll-context")
+    picks = [i * slots // min(count, slots) for i in range(min(count, slots))]   # evenly spaced slots
+    return torch.tensor([ids[p * length:(p + 1) * length] for p in picks], dtype=torch.long)

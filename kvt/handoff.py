@@ -173,6 +173,31 @@ def diagnose(source, target, mapper, ids, cuts=4):
     return d
 
 
+@torch.no_grad()
+def next_nll(source, target, mapper, ids, context):
+    """Mean negative log-likelihood (nats per token) of the tokens after the first `context` of each
+    window ids (B, context + n), one window at a time, under three conditions: target (the target reads
+    the whole context), transfer (the source reads the context but its last token, the mapper carries
+    its cache over, the target runs the last context token itself: handoff) and floor (the target sees
+    the last context token alone). Returns {condition: (B,) float64}."""
+    device = next(target.parameters()).device
+    out = {"target": [], "transfer": [], "floor": []}
+    for seq in ids:
+        seq = seq[None].to(device)                                          # (1, context + n)
+        nxt = seq[:, context:]                                              # (1, n) the tokens scored
+
+        def nll(logits):                                                    # (1, n, V) predicting nxt
+            return F.cross_entropy(logits[0].float(), nxt[0].to(logits.device), reduction="mean").double().item()
+        own, _ = target(seq[:, :-1])                                        # (1, context + n - 1, V)
+        out["target"].append(nll(own[:, context - 1:]))
+        first, cache = handoff(source, target, mapper, seq[:, :context])   # (1, 1, V), the target's cache
+        rest, _ = target(seq[:, context:-1], cache=cache)                   # (1, n - 1, V)
+        out["transfer"].append(nll(torch.cat([first, rest.to(first.device)], 1)))
+        alone, _ = target(seq[:, context - 1:-1])                           # (1, n, V)
+        out["floor"].append(nll(alone))
+    return {cond: torch.tensor(v, dtype=torch.float64) for cond, v in out.items()}
+
+
 # The gate's default thresholds, fitted to every pair measured with kvt (docs/real-weights.md, "The
 # gate, validated across pairs": `python -m kvt.figures gate runs/*/results.json`, 17 runs): the KL limit with the most
 # agreements with "kept 90% of the target's accuracy" (15 of 17), rounded up to 0.15 inside the gap it

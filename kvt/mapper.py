@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 import kvt
-from kvt import dist, ridge, rope
+from kvt import attnfit, dist, ridge, rope
 from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
@@ -293,7 +293,7 @@ def target_groups(selected, bx, by, bound):
 
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, checkpoint=None, key="",
               stats_device=None, tokenizer="", progress=True, products=torch.float32, stats_dtype=torch.float64,
-              candidates=None, group=None, keep_stats=True, save_s=SAVE_S, select=None):
+              candidates=None, group=None, keep_stats=True, save_s=SAVE_S, select=None, weights="uniform"):
     """Fit a ridge Mapper from source to target on a data.Calibration (fit and validation regions).
 
     1. statistics over the candidate source layers (head-level when the pair has matched KV);
@@ -315,11 +315,18 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     select: the layer-selection rule of step 2, a function (stats, kind, k, lams) -> LongTensor (Lt, k) of
     source layer numbers per target layer, ascending, read from the first pass's statistics (fit and
     validation parts, stats.src_layers); default the paper's top-k by single-layer R^2 (ridge.select_layers).
+    weights: "uniform" (the paper's) or "attention" (CacheBridge's attention-weighted ridge, head scope
+    only, attnfit.py): after step 2, a second pass streams the r-weighted sums of each target layer's
+    selected layers (checkpointed as CHECKPOINT.attn-<id of the selection>), and step 4 blends them in.
     Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
     Returns (mapper, report): report["r2_single"][kind] (C, Lt) validation R^2 of single-layer fits of the
     C candidates, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the final fits."""
     src_cfg, tgt_cfg = source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
+    if weights not in ("uniform", "attention"):
+        raise KvtError(f"token weights {weights!r} are not known; use 'uniform' or 'attention'")
+    if weights == "attention" and scope != "head":
+        raise KvtError("the attention-weighted fit (--token-weights attention) is head-local; use it with --scope head")
     matched = matched_kv(src_cfg, tgt_cfg)
     device = stats_device or next(source.parameters()).device
     lams = ridge.LAMBDAS if lam is None else (lam,)
@@ -364,6 +371,17 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
             for kind in KINDS:                         # each W left the device as it was fitted
                 fits[kind].update(got[0][kind])
                 skipped["fit"][kind].update(got[1][kind])
+    elif weights == "attention":
+        sel_id = hashlib.sha256(json.dumps({kind: selected[kind].tolist() for kind in KINDS}).encode()).hexdigest()[:8]
+        wstats = attnfit.new_weighted_stats(src_cfg, tgt_cfg, selected, device, f"{key}-attn-{sel_id}")
+        wstats = accumulate(source, target, calib, wstats, batch_size, checkpoint and f"{checkpoint}.attn-{sel_id}",
+                            save_s=save_s, progress=progress, add=attnfit.add_weighted,
+                            capture_target=attnfit.capture_weighted)
+        alphas = {kind: {} for kind in KINDS}
+        for kind in KINDS:
+            fits[kind] = attnfit.fit_layers(stats, wstats, kind, selected[kind], lams, skipped["fit"][kind], host=True,
+                                            alphas=alphas[kind])
+        del wstats
     else:
         for kind in KINDS:
             fits[kind] = ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
@@ -375,6 +393,9 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     meta = {"k": k, "lambda": lam_used, "tokenizer": tokenizer, "calib_sequences": len(calib.fit),
             "calib_len": calib.fit.shape[1], "calib": calib.hash(), "r2": {kind: r2[kind].tolist() for kind in KINDS},
             **weights_meta(source, target)}
+    if weights == "attention":
+        meta["weights"] = "attention"
+        meta["alpha"] = {kind: [alphas[kind][t] for t in layers] for kind in KINDS}   # per target layer, per head
     if any(layers_ for step in skipped.values() for layers_ in step.values()):
         meta["lambda_skipped"] = skipped               # {step: {kind: {layer: [lambdas]}}}
         if dist.rank() == 0:

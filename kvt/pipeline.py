@@ -48,15 +48,16 @@ from kvt import dist, evals, ridge, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
 from kvt.cache import keep_freed_memory
 from kvt.config import KvtError, at_least, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair
-from kvt.data import calibration_sequences, check_same_tokenizer
+from kvt.data import calibration_sequences, check_same_tokenizer, heldout_windows
 from kvt.figures import retention_png
-from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate
+from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate, next_nll
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, check_pair_weights, load_mapper, save_mapper
 from kvt.model import check_weights, layer_devices
 from kvt.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
-from kvt.summary import CORPUS, average_retention, coqa_agreement, coqa_turns, lm_eval_results, summarize
+from kvt.summary import (CORPUS, average_retention, context_gain, coqa_agreement, coqa_turns, lm_eval_results,
+                          summarize)
 from kvt.weights import fingerprint
 
 TOY_TASKS = "toy_recall,toy_recall_gen,toy_copy,toy_count"
@@ -85,13 +86,17 @@ def parse_args(argv=None):
     ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
     ap.add_argument("--lam", type=float, help="ridge lambda on standardized features (default: the best of "
                     "ridge.LAMBDAS per target layer and kind, on the validation region; the paper gives none)")
-    ap.add_argument("--scope", choices=["layer", "head"], default="layer",
+    ap.add_argument("--scope", choices=["layer", "head", "head-local"], default="layer",
                     help="layer: each target head from all heads of the selected layers (the paper's, default); "
-                    "head: head h from head h (kvt's option, about 8x smaller)")
+                    "head (= head-local, CacheBridge's name): head h from head h of the selected layers (kvt's "
+                    "option, about 8x smaller)")
+    ap.add_argument("--token-weights", choices=["uniform", "attention"], default="uniform",
+                    help="ridge token weights: uniform (the paper's, default) or attention (CacheBridge's "
+                    "attention-weighted fit, kvt's option; --scope head only, kvt/attnfit.py)")
     ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"], default="ridge",
                     help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
                     "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
-    ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS})")
+    ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS}); none: no tasks")
     ap.add_argument("--task-file", type=Path, action="append", default=[],
                     help="a Python file of your own tasks (kvt.tasks.Task), imported before --tasks is read; "
                     "repeat for several")
@@ -113,6 +118,13 @@ def parse_args(argv=None):
                     "tokens, those the source attended to most while finishing the prompt")
     ap.add_argument("--recompute-by", choices=["attention", "suffix"], default="attention",
                     help="which tokens --recompute-frac takes: the most attended (default) or the last ones")
+    ap.add_argument("--heldout", nargs="*", default=[], help="held-out text files for the context-gain measure "
+                    "(NLL of the next --nll-next tokens after --nll-context of context, target / transfer / floor); "
+                    "'toy' for unseen toy-corpus documents; none by default; must not be calibration text")
+    ap.add_argument("--nll-windows", type=int, default=32, help="windows per held-out text (default 32)")
+    ap.add_argument("--nll-context", help="comma-separated context lengths (default: 1024; toy 128); those the "
+                    "models cannot hold with --nll-next after them are skipped")
+    ap.add_argument("--nll-next", type=int, help="tokens scored after the context (default 256; toy 64)")
     ap.add_argument("--min-attn-cos", type=float, default=MIN_ATTN_COS, help="gate: mean attention-output cosine "
                     f"(default {MIN_ATTN_COS}, from the gate evidence in docs/real-weights.md)")
     ap.add_argument("--max-kl", type=float, default=MAX_KL, help=f"gate: next-token KL in nats (default {MAX_KL})")
@@ -136,6 +148,12 @@ def parse_args(argv=None):
 def check_args(args):
     """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
     positive = at_least
+    if args.scope == "head-local":                 # CacheBridge's name for kvt's head scope: the same map
+        args.scope = "head"
+    positive("nll-windows", args.nll_windows, why=" (held-out windows per text)")
+    positive("nll-next", args.nll_next, why=" (tokens scored after the context)")
+    if args.token_weights == "attention" and args.scope != "head":
+        raise KvtError("--token-weights attention is the head-local attention-weighted fit; add --scope head")
     positive("k", args.k, why=" (source layers per target layer; the paper uses 8)")
     positive("calib-seqs", args.calib_seqs, why=" (calibration sequences; the paper uses 500)")
     positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
@@ -238,12 +256,13 @@ def mapper_key(args, stats):
     """Everything a mapper is made from: its statistics' key and the settings of the fit. A different
     request, or the same one on retrained weights, never reuses a mapper (nor records made with it)."""
     return {**stats, "format": MAPPER_FORMAT, "stats_format": stats["format"], "scope": args.scope, "k": args.k,
-            "lambda": args.lam, "mapper": args.mapper}
+            "lambda": args.lam, "mapper": args.mapper, **({"weights": args.token_weights} if args.token_weights != "uniform" else {})}
 
 
 def mapper_name(args, skey):
     key = mapper_key(args, skey)
-    return f"{key['scope']}-k{key['k']}-{key['mapper']}-{short_hash(key)}"
+    weighted = "-attn" if key.get("weights") == "attention" else ""
+    return f"{key['scope']}-k{key['k']}-{key['mapper']}{weighted}-{short_hash(key)}"
 
 
 def check_disk(out, plans, args, skeys):
@@ -273,13 +292,15 @@ def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
         check_pair_weights(mapper, source, target, f"mapper {path}")          # the key's file fingerprints, checked again
         return mapper.to(dtype=dtype), name
     stats = out / f"stats-{short_hash(skey)}"
+    t0 = time.time()
     mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=stats,
                                key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
                                stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
-                               progress=dist.rank() == 0, keep_stats=args.keep_stats)
+                               progress=dist.rank() == 0, keep_stats=args.keep_stats, weights=args.token_weights)
     if args.mapper in MLP_MODES:
         mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0,
                          checkpoint=out / f"mlp-{name}", key=short_hash(key))
+    mapper.meta["fit_s"] = time.time() - t0                       # statistics, selection, ridge (and MLP) on this run
     used = mapper.to(dtype=dtype)                                   # the mapper as evaluation and the bench use it
     mapper.meta["diagnostics"] = diagnose(source, target, used, calib.diag)  # on a region no choice has seen
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
@@ -471,6 +492,53 @@ def write_atomic(path, text):
         raise KvtError(f"cannot write {path} ({e.strerror}); move it away and run again (the results are kept)")
 
 
+def heldout_texts(args, is_toy):
+    """[(name, documents or None, path)]: the held-out texts of the context-gain measure; refuses one that is
+    (or is inside, or holds) calibration text."""
+    out = []
+    for h in args.heldout:
+        if h == "toy":
+            out.append(("toy corpus (seed 98)", toy.corpus(400, seed=98), None))   # calibration: seed 99
+            continue
+        p = Path(h).resolve()
+        if not p.exists():
+            raise KvtError(f"--heldout {h} does not exist; pass a .txt file (or 'toy')")
+        for c in map(lambda x: Path(x).resolve(), args.calib):
+            if p == c or c in p.parents or p in c.parents:
+                raise KvtError(f"--heldout {h} is calibration text too (--calib {c}); calibrate on other text "
+                               "(e.g. --calib DATA/calib/wikitext-2/valid.txt) or hold out another file")
+        out.append((p.name, None, p))
+    return out
+
+
+def measure_context_gain(args, source, target, mapper, tok, is_toy):
+    """One row per held-out text and context length: context_gain over --nll-windows windows."""
+    next_n = args.nll_next or (64 if is_toy else 256)
+    contexts = [int(c) for c in (args.nll_context or ("128" if is_toy else "1024")).split(",")]
+    limit = min(source.config.max_seq_len, target.config.max_seq_len)
+    rows = []
+    for name, docs, path in heldout_texts(args, is_toy):
+        for c in contexts:
+            if c + next_n > limit:
+                print(f"context gain: {c} + {next_n} tokens exceed the models' {limit}; skipped")
+                continue
+            ids = heldout_windows(path, tok, args.nll_windows, c + next_n, documents=docs)
+            row = context_gain(next_nll(source, target, mapper, ids, c), seed=args.seed)
+            rows.append({"text": name, "context": c, "next": next_n, **row})
+    return rows
+
+
+def format_context_gain(rows):
+    lines = ["| held-out text | context | next | windows | NLL target | NLL transfer | NLL floor | context gain kept |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["gain_ci"]
+        ci = f" [{pct(lo)}, {pct(hi)}]" if lo is not None else ""
+        lines.append(f"| {r['text']} | {r['context']} | {r['next']} | {r['windows']} | {r['nll']['target']:.4f} | "
+                     f"{r['nll']['transfer']:.4f} | {r['nll']['floor']:.4f} | {pct(r['gain'])}%{ci} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     """Run everything (see the module docstring); returns the results dict. A run that fails leaves no
     empty output folder behind (a folder with a checkpoint in it stays: the rerun resumes from it)."""
@@ -521,6 +589,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         origin.update(dict.fromkeys(names, f))
         print(f"{f}: tasks {', '.join(names)}")
     task_names = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
+    task_names = [] if task_names == ["none"] else task_names      # --tasks none: diagnostics (and --heldout) only
     limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
     for name in limits:
         if name not in task_names:
@@ -542,6 +611,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
     for cfg, folder in ((src_cfg, src_dir), (tgt_cfg, tgt_dir)):  # the configs' sizes feed the memory plan: check
         check_weights(cfg, folder)                                   # them against the weights' headers first
+    heldout_texts(args, is_toy)                    # refused now if it is calibration text, not after calibrating
     items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
     toy_text = toy_calibration_text(args, is_toy)
     missing = [str(p) for p in args.calib if not Path(p).exists()]
@@ -620,6 +690,8 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     if dist.rank() != 0:
         return dist.close()
 
+    gains = measure_context_gain(args, source, target, mapper, tok, is_toy) if args.heldout else []
+
     # 5. speed
     rows = []
     if args.bench:
@@ -631,7 +703,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     table = format_summary(summary, average, src_name, tgt_name)
     k_used = mapper.meta.get("k", args.k)
     report = [f"# kvt: {src_name} -> {tgt_name}", "",
-              f"mapper: {name}, {args.mapper}, {args.scope} scope, k={k_used}"
+              f"mapper: {name}, {args.mapper}, {args.scope} scope, {args.token_weights} weights, k={k_used}"
               + (f" (of {args.k} asked; the source has {src_cfg.n_layers} layers)" if k_used != args.k else "")
               + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
               f"{args.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
@@ -645,6 +717,9 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
               "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
               "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
               "## Accuracy (%, 95% interval) and retention", "", table]
+    if gains:
+        report += ["", "## Context gain kept (held-out next-token NLL, nats; 95% interval over windows)", "",
+                   format_context_gain(gains)]
     for direction, c in coqa.items():
         g, a = c["gold"], c["agreement"]
         report += ["", f"## CoQA, handed over {direction}: gold F1 per turn", "",
@@ -672,8 +747,9 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
                 for k, v in vars(args).items()}
     results = {"pair": [src_name, tgt_name], "mapper": name, "settings": settings, "k_used": k_used,
-               "lambda": mapper.meta.get("lambda"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
-               "tasks": summary, "average_retention": average, "coqa": coqa, "lm_eval": lm_eval_results(summary),
+               "lambda": mapper.meta.get("lambda"), "mapper_bytes": mapper.nbytes(), "fit_s": mapper.meta.get("fit_s"),
+               "alpha": mapper.meta.get("alpha"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
+               "tasks": summary, "average_retention": average, "context_gain": gains, "coqa": coqa, "lm_eval": lm_eval_results(summary),
                "bench": rows, "items": {task: [it.id for it in its] for task, its in items.items()},
                "versions": versions(args.device), "wall_s": time.time() - t0}
     write_atomic(out / "results.json", json.dumps(strict(results), indent=1, allow_nan=False))

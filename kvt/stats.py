@@ -282,7 +282,7 @@ SAVE_S = 600.0     # seconds between statistics checkpoints: a pass of a large p
 
 
 def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, save_s=SAVE_S, final=True,
-               progress=True, products=torch.float32):
+               progress=True, products=torch.float32, add=add_batch, capture_target=capture):
     """Stream every not-yet-seen sequence of calib.fit, then of calib.val, through both models into
     stats (in place); calib is a data.Calibration. Every `every` rounds what is pending is added to the
     sums (a flush point, the same with or without a checkpoint). With `path`, the statistics are saved
@@ -292,7 +292,8 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     the order an unbroken one does: bit-identical sums. final=False leaves the complete sums unsaved (a
     caller that saves what it fits from them instead; the last checkpoint stays for it to delete), and
     deletes a checkpoint before writing the next, so the disk never holds two of them.
-    products: the dtype of the per-batch products.
+    products: the dtype of the per-batch products. add, capture_target: what one batch adds and how the
+    target's side of it is captured (default: add_batch, capture; attnfit.py passes its weighted twins).
 
     Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the
     batches are dealt out in rounds, one batch per rank, and the ranks' sums are all-reduced at every
@@ -320,8 +321,8 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     pending, saved = {}, time.monotonic()
     for i, batches in enumerate(tqdm(rounds, desc=desc, disable=not progress or dist.rank() > 0)):
         for s, e in dist.shard(batches):                                     # this rank's batch, if any
-            src, tgt = (capture(m, ids[s:e].to(d)) for m, d in zip((source, target), devices))
-            add_batch(stats, "fit" if s < n_fit else "val", src, tgt, pending, products)
+            src, tgt = capture(source, ids[s:e].to(devices[0])), capture_target(target, ids[s:e].to(devices[1]))
+            add(stats, "fit" if s < n_fit else "val", src, tgt, pending, products)
         stats.seen = batches[-1][1]
         done = stats.seen == n
         if (i + 1) % every == 0 or done:                  # a flush point, with or without a path, so that a

@@ -65,6 +65,20 @@ def bootstrap(fn, columns, n_boot=1000, seed=0):
     return percentiles(torch.tensor([math.nan if v is None else v for v in stats], dtype=torch.float64))
 
 
+def context_gain(nll, n_boot=1000, seed=0):
+    """"Context gain kept" from next_nll's per-window NLLs {target, transfer, floor: (W,)}: of what the
+    context takes off the floor's NLL, the share the transfer keeps, (floor - transfer) / (floor - target)
+    over the windows' mean NLLs, with a seeded 95% bootstrap interval over windows (paired)."""
+    cols = [nll[c].tolist() for c in ("floor", "transfer", "target")]
+
+    def gain(f, x, t):
+        d = f.mean() - t.mean()
+        return None if d.abs() < 1e-12 else ((f.mean() - x.mean()) / d).item()
+    point = gain(*(torch.tensor(c, dtype=torch.float64) for c in cols))
+    return {"nll": {c: sum(v) / len(v) for c, v in zip(("floor", "transfer", "target"), cols)}, "gain": point,
+            "gain_ci": bootstrap(gain, cols, n_boot, seed), "windows": len(cols[0])}
+
+
 def stderr(vals):
     """The harness's mean_stderr: the sample standard deviation (n - 1) over sqrt(n); None under 2 items."""
     n = len(vals)

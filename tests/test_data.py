@@ -177,3 +177,30 @@ def test_missing_calibration_folder_says_where_to_point(tiny_pair, tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"no calibration text at {tmp_path / 'data' / 'calib' / 'wikitext-2'}")
     assert "--data-dir" in msg and "--calib" in msg and not (tmp_path / "out").exists(), msg
+
+
+def test_heldout_windows_are_disjoint_evenly_spaced_slices_of_the_text():
+    """heldout_windows: `count` windows, each a run of the text's own ids, none overlapping another, spread
+    over the whole text; fewer when the text holds fewer. Guards: windows that overlap (a stride under
+    their length) or that all come from the text's start."""
+    from kvt.data import heldout_windows
+    docs = ["".join(chr(33 + c) for c in torch.randint(0, 90, (2500,), generator=torch.Generator().manual_seed(d)).tolist())
+            for d in range(2)]                                                # two documents, 50 windows' worth
+    ids = Chars().encode(docs[0]) + Chars().encode(docs[1])
+    w = heldout_windows(None, Chars(), 8, 100, documents=docs)
+    starts = [100 * (i * 50 // 8) for i in range(8)]                         # every 6th or 7th window slot
+    assert w.shape == (8, 100) and all(w[i].tolist() == ids[s:s + 100] for i, s in enumerate(starts))
+    assert heldout_windows(None, Chars(), 80, 100, documents=docs).shape == (50, 100)
+
+
+def test_heldout_text_that_is_calibration_text_is_refused(tmp_path):
+    """--heldout inside a --calib folder (WikiText-2 test.txt under the default calib/wikitext-2) is one line,
+    before any calibration: its windows would score text the mapper was fitted on."""
+    import argparse
+    from kvt.pipeline import heldout_texts
+    (tmp_path / "test.txt").write_text("text")
+    args = argparse.Namespace(heldout=[str(tmp_path / "test.txt")], calib=[tmp_path])
+    with pytest.raises(KvtError, match="is calibration text too"):
+        heldout_texts(args, is_toy=False)
+    args.calib = [tmp_path / "valid.txt"]
+    assert heldout_texts(args, is_toy=False)[0][0] == "test.txt"

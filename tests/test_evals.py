@@ -460,3 +460,22 @@ def test_exact_pair_transfer_keeps_every_answer():
     assert answers["transfer"] == answers["target"], answers
     agree = S.coqa_agreement(crecs)
     assert agree["turns"] == [2, 3] and agree["f1"] == [100.0, 100.0] and agree["drift_per_turn"] == 0.0
+
+
+def test_context_gain_is_the_share_of_the_floors_nll_the_transfer_takes_off():
+    """context_gain = (floor - transfer) / (floor - target) over the windows' mean NLLs, with a seeded
+    bootstrap interval over windows that holds the point. Guards: the ratio inverted or taken per window
+    and averaged, an unseeded interval."""
+    from kvt.summary import context_gain
+    g = torch.Generator().manual_seed(0)
+    target = 2 + torch.rand(12, generator=g, dtype=torch.float64)
+    floor = target + 1 + torch.rand(12, generator=g, dtype=torch.float64)
+    transfer = target + (floor - target) * torch.rand(12, generator=g, dtype=torch.float64)
+    nll = {"floor": floor, "transfer": transfer, "target": target}
+    got = context_gain(nll, n_boot=200, seed=3)
+    want = ((floor.mean() - transfer.mean()) / (floor.mean() - target.mean())).item()
+    assert abs(got["gain"] - want) < 1e-12, (got["gain"], want)
+    lo, hi = got["gain_ci"]
+    assert lo < got["gain"] < hi and got["gain_ci"] == context_gain(nll, n_boot=200, seed=3)["gain_ci"]
+    assert got["gain_ci"] != context_gain(nll, n_boot=200, seed=4)["gain_ci"], "the seed must reach the bootstrap"
+    assert abs(got["nll"]["floor"] - floor.mean().item()) < 1e-12 and got["windows"] == 12

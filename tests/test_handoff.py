@@ -142,3 +142,26 @@ def test_recompute_budgets_pick_the_slots_they_name():
     _, cache = model(PROMPTS[:1], queries=True)
     mass = attention_mass(cache, window=4)
     assert mass.shape == (30,) and abs(mass.sum().item() - 2 * 4 * 4) < 1e-3  # 2 layers x 4 heads x 4 queries, each sums to 1
+
+
+def test_exact_pair_keeps_all_the_context_gain(exact):
+    """next_nll on an exact pair: the transfer scores the tokens after the context as the target does,
+    the floor (the last context token alone) is its own prefill, and the gain kept is 1. Guards: the
+    target's or the transfer's logits scored one token off (predicting the token they were given), the
+    transfer's first prediction (from the handoff) dropped."""
+    from kvt.handoff import next_nll
+    from kvt.summary import context_gain
+    source, target, mapper = exact
+    ids, context = PROMPTS, 20
+    nll = next_nll(source, target, mapper, ids, context)
+    for i, seq in enumerate(ids):
+        logits, _ = target(seq[None, :-1])
+        lp = logits[0, context - 1:].log_softmax(-1)                       # predicts seq[context:]
+        want = -lp.gather(1, seq[context:, None]).mean().item()
+        assert abs(nll["target"][i].item() - want) < 1e-5, f"window {i}: target NLL {nll['target'][i]:.6f} != {want:.6f}"
+        alone, _ = target(seq[None, context - 1:-1])
+        want = -alone[0].log_softmax(-1).gather(1, seq[context:, None]).mean().item()
+        assert abs(nll["floor"][i].item() - want) < 1e-5, f"window {i}: floor NLL"
+    assert_close(nll["transfer"], nll["target"], "transfer NLL on an exact pair", 1e-4)
+    gain = context_gain(nll)
+    assert abs(gain["gain"] - 1) < 1e-3 and gain["windows"] == 3, gain
