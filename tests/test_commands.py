@@ -174,6 +174,21 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"python -m kvt\.lm_eval retention runs/lmeval-smollm2-self/.*",
      NotRun("reads the folders of docs/lm-eval.md:90-91, not run here (above); tests/test_lm_eval.py::"
             "test_retention_pairs_by_doc_id runs retention")),
+    (r"python -m tests\.bench_fits run --out runs/fits-toy .*",
+     Run(r"^\| toy-s -> toy-m \| head-attn \| toy corpus \(seed 98\) 128: ", ("runs/fits-toy/*/results.json",),
+         edit=lambda argv: [a if argv[i - 1] != "--pairs" else "toy-s:m" for i, a in enumerate(argv)]  # one pair,
+         + ["--calib-seqs", "8", "--calib-len", "64", "--limit", "4", "--nll-windows", "2"])),   # sizes to run.py
+    (r"python -m tests\.bench_fits table runs/fits-toy",
+     Run(r"^\| toy-s -> toy-m \| paper \| ", needs=("python -m tests.bench_fits run --out runs/fits-toy --pairs "
+                                                   "toy-s:m,toy-m:s,toy-m:l,toy-l:m,toy-s:l,toy-l:s -- --heldout toy "
+                                                   "--no-bench",))),
+    (r"python -m kvt\.family build --parent weights/smollm2-135m --kind (depth|width) --out \S+-32k --tokens 32768 "
+     r"--threads 1",
+     NotRun("the family build of docs/real-weights.md:15-16 with a 32K-token budget (30 minutes each on 2 cores); "
+            "that command runs here at 256 tokens, and tests/test_family.py builds both kinds")),
+    (r"python run\.py --source weights/smollm2-135m-depth15-32k .*|python -m tests\.bench_fits table runs/fits-smollm2",
+     NotRun("needs the 32K-healed sibling (above); the same three fits run here on toy-s -> toy-m through "
+            "tests.bench_fits (its rule), and the SmolLM2 run.py path on the 256-token sibling")),
     (r"python -m venv \.\./venv-vllm",
      NotRun("vLLM's own environment, installed from the network (docs/serving.md); tests/test_vllm.py's slow "
             "tests build the same one (or take KVT_VLLM_PYTHON) and run the connector in it")),
