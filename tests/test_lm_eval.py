@@ -265,9 +265,9 @@ metric_list: [{{metric: acc}}]
         assert err < 1e-3, f"{task}: max |loglikelihood difference| {err:.2e}"
 
 
-def second_venv(tmp_path, requirement):
+def second_venv(tmp_path, *requirements):
     """The python of a virtual environment that sees this interpreter's packages (torch above all) but has
-    `requirement` installed over them (from PyPI). The packages are this interpreter's, not the system's:
+    `requirements` installed over them (from PyPI). The packages are this interpreter's, not the system's:
     `venv --system-site-packages` would see the base Python's, which lack torch when the tests run from a
     venv; a .pth file in the new venv lists this interpreter's site-packages after the venv's own."""
     venv = tmp_path / "venv"
@@ -277,7 +277,7 @@ def second_venv(tmp_path, requirement):
                          capture_output=True, text=True).stdout.strip()
     ours = [p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()]
     (Path(own) / "kvt-tests-parent.pth").write_text("\n".join(ours) + "\n")
-    pip = subprocess.run([py, "-m", "pip", "install", "-q", requirement], capture_output=True, text=True)
+    pip = subprocess.run([py, "-m", "pip", "install", "-q", *requirements], capture_output=True, text=True)
     assert pip.returncode == 0, pip.stderr[-2000:]
     return py
 
@@ -294,7 +294,8 @@ def test_hf_interop_on_the_lowest_declared_transformers(tmp_path):
     installed one): guards reading the output's cache under one name only (5.0 calls it past_key_values,
     5.24 cache) and handing generate() position_ids (5.0 reuses them unchanged at every step). Needs PyPI;
     about 5 minutes on 2 shared cores."""
-    py = second_venv(tmp_path, "transformers==5.0.0")
+    py = second_venv(tmp_path, "transformers==5.0.0", "kernels==0.12.3")  # the kernels of its day: it imports the
+    # one newer transformers need (0.19, seen through the .pth) and fails ("a revision or a version must be specified")
     pytest_in(py, "tests/test_hf.py")
 
 
