@@ -45,7 +45,7 @@ import torch
 from kvt import rope
 from kvt.capture import features, layer_features
 from kvt.config import KvtError, check_matched_kv
-from kvt.ridge import LAMBDAS, _check_val, eigen, solvable, sse, sst, unsolvable, weights
+from kvt.ridge import LAMBDAS, _check_val, best_lambda, eigen, sse, sst
 from kvt.stats import KINDS, SPLITS, Stats, Sums, blocks, groups
 
 BOUNDARIES = 32  # prefix lengths per calibration sequence at which the target's query is taken
@@ -180,19 +180,7 @@ def fit_layers(stats, wstats, kind, selected, lams=LAMBDAS, skipped=None, host=F
         p, pv = fit.select(fi, oi), val.select(fi, oi)
         a = ess_alpha(p.n.item(), group_rows(wfit, rows).n, len(fi))
         s, v = blend(p, group_rows(wfit, rows), a), blend(pv, group_rows(wval, rows), a)
-        eig = eigen(s)
-        good, bad = solvable(eig, lams)
-        if not good:
-            raise unsolvable(f"target layer {t}", lams)
-        if bad and skipped is not None:
-            skipped[t] = bad
-        best = None
-        for lam in good:                                                   # ties keep the smaller lambda
-            W, b = weights(eig, lam)
-            err = sse(v, W, b).sum().item()
-            if best is None or err < best[0]:
-                best = (err, lam, W, b)
-        _, lam, W, b = best
+        _, lam, W, b = best_lambda(eigen(s), v, lams, t, skipped)         # on the weighted validation error
         r2 = 1 - sse(pv, W, b).sum().item() / sst(pv).sum().item()         # plain validation R^2
         W, b = (W.float().cpu(), b.float().cpu()) if host else (W, b)
         out[t] = (W, b, r2, lam)

@@ -138,19 +138,26 @@ def fit_layers(stats, kind, selected, lams=LAMBDAS, skipped=None, host=False):
     for j, t in enumerate(stats.tgt_layers):
         fi = blocks([where[l] for l in selected[t].tolist()], stats.bx).to(fit.xx.device)
         oi = blocks([j], stats.by).to(fit.xx.device)
-        eig, v = eigen(fit.select(fi, oi)), val.select(fi, oi)
-        good, bad = solvable(eig, lams)
-        if not good:
-            raise unsolvable(f"target layer {t}", lams)
-        if bad and skipped is not None:
-            skipped[t] = bad
-        best = None
-        for lam in good:                                          # ties keep the smaller lambda
-            W, b = weights(eig, lam)
-            err = sse(v, W, b).sum().item()
-            if best is None or err < best[0]:
-                best = (err, lam, W, b)
-        err, lam, W, b = best
+        v = val.select(fi, oi)
+        err, lam, W, b = best_lambda(eigen(fit.select(fi, oi)), v, lams, t, skipped)
         W, b = (W.float().cpu(), b.float().cpu()) if host else (W, b)
         out[t] = (W, b, 1 - err / sst(v).sum().item(), lam)
     return out
+
+
+def best_lambda(eig, val, lams, t, skipped=None):
+    """(validation error, lambda, W, b) of the solvable lambda with the smallest error on the validation
+    sums val (ties keep the smaller lambda), from one eigendecomposition of target layer t's fit sums;
+    refuses a layer no lambda solves, and records the lambdas skipped in skipped[t]."""
+    good, bad = solvable(eig, lams)
+    if not good:
+        raise unsolvable(f"target layer {t}", lams)
+    if bad and skipped is not None:
+        skipped[t] = bad
+    best = None
+    for lam in good:
+        W, b = weights(eig, lam)
+        err = sse(val, W, b).sum().item()
+        if best is None or err < best[0]:
+            best = (err, lam, W, b)
+    return best
