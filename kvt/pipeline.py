@@ -183,6 +183,14 @@ def check_args(args):
         raise KvtError(f"--max-kl {args.max_kl}: a KL divergence is never negative; give a threshold of at least 0")
     if args.tasks is not None and not [t for t in args.tasks.split(",") if t.strip()]:
         raise KvtError(f"--tasks is empty; name at least one task (known: {', '.join(tasks.TASKS)})")
+    if args.nll_context is not None:
+        try:
+            contexts = [int(n) for n in args.nll_context.split(",")]
+        except ValueError:
+            contexts = []
+        if not contexts or min(contexts) < 1:
+            raise KvtError(f"--nll-context {args.nll_context!r}: give comma-separated context lengths of at least 1 "
+                           "token, e.g. 1024,4096")
     if args.bench_lengths is not None:
         try:
             lengths = [int(n) for n in args.bench_lengths.split(",")]

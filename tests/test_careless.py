@@ -45,6 +45,8 @@ RUN_CASES = [
                                       "give at most 10000"]),
     ("lam 1e5", ["--lam", "1e5"], ["--lam 100000", "give at most 10000"]),
     ("lam inf", ["--lam", "inf"], ["--lam inf", "positive number"]),
+    ("nll-context not a number", ["--heldout", "toy", "--nll-context", "1k"], ["--nll-context '1k'", "e.g. 1024,4096"]),
+    ("nll-context 0", ["--heldout", "toy", "--nll-context", "128,0"], ["--nll-context '128,0'", "at least 1 token"]),
     ("lam -0", ["--lam", "-0"], ["--lam -0.0", "positive number"]),
     ("max-kl negative", ["--max-kl", "-1"], ["--max-kl -1.0", "never negative"]),
     ("min-attn-cos 2", ["--min-attn-cos", "2"], ["--min-attn-cos 2.0", "within [-1, 1]"]),
@@ -66,7 +68,8 @@ RUN_CASES = [
 def test_absurd_numbers_to_run_are_one_line(tiny_pair, tmp_path, case):
     """Guards: --lam 1e308 fitting a near-zero mapper that the gate then judged (and the run reported as if it
     were a fit), --max-kl -1 and --min-attn-cos 2 making a gate no mapper passes, or every one fail, without a
-    word. The other rows held already and guard their checks."""
+    word; --nll-context 1k ending, after calibration and every task, in a ValueError traceback. The other
+    rows held already and guard their checks."""
     _, extra, words = case
     with pytest.raises(KvtError) as e:
         run.main(argv(tiny_pair, tmp_path / "out", *extra))
