@@ -18,7 +18,7 @@ For each context length n and each direction (source -> target):
                    bytes at the copy's rate, both measured in the same rounds; reached: the fraction of
                    it the transfer reaches, per round (median, min-max)
   plain transfer s (with --both) the transfer on the plain path (mapper.apply, the cache concatenated),
-                   timed in the same rounds; --plain times everything on the plain path (config.plain)
+                   timed in the same rounds; --plain times everything on the plain path
   + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
                    mapped slots itself (handoff.Recompute; timed on the last f of the slots, since
                    the cost depends on their number, not on which ones attention would choose)
@@ -33,7 +33,6 @@ built in turn and only their caches are kept between them.
 """
 import argparse
 import json
-import os
 import resource
 import statistics
 import time
@@ -42,9 +41,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvt.cache import keep_freed_memory
-from kvt.config import KvtError, at_least, command, parse_pair, plain, shape
+from kvt.config import KvtError, at_least, command, parse_pair, plain_requested, shape
 from kvt.dist import check_devices
+from kvt.fast import apply as fast_apply
+from kvt.fast import keep_freed_memory
 from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper, check_pair_weights
 from kvt.model import Transformer, build_model, layer_devices
@@ -231,20 +231,23 @@ def prefills(model, ids, lengths, repeats, name=""):
     return times, model(ids[:, :-1], last=True)[1]
 
 
-def transfer_step(target, mapper, cache, ids, n, frac=0.0):
+def transfer_step(target, mapper, cache, ids, n, frac=0.0, plain=False):
     """The timed part of a handoff of ids[:, :n]: handoff.take_over on the source's cache of the first
     n - 1 tokens (a crop of `cache`), the target recomputing the last `frac` of those slots (if any) and
-    running token n itself. Returns its logits and cache."""
+    running token n itself (plain: take_over's). Returns its logits and cache."""
     slots = Recompute(frac=frac, by="suffix").slots(n - 1) if frac else None
     return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], slots=slots,
-                     slot_ids=None if slots is None else ids[:, slots])
+                     slot_ids=None if slots is None else ids[:, slots], plain=plain)
 
 
-def map_step(target, mapper, cache, ids, n):
-    """The first part of transfer_step alone: mapper.apply, as take_over calls it. What is left of the
-    transfer is the target's last-token step, bound by reading its weights, not by FLOPs."""
-    apply = mapper.apply if plain() else mapper.apply_fast
-    return apply(cache.crop(0, n - 1), devices=layer_devices(target), dtype=next(target.parameters()).dtype, room=1)
+def map_step(target, mapper, cache, ids, n, plain=False):
+    """The first part of transfer_step alone: the map, as take_over calls it (fast.apply, or plain:
+    Mapper.apply). What is left of the transfer is the target's last-token step, bound by reading its
+    weights, not by FLOPs."""
+    src, devices, dtype = cache.crop(0, n - 1), layer_devices(target), next(target.parameters()).dtype
+    if plain:
+        return mapper.apply(src, devices=devices, dtype=dtype)
+    return fast_apply(mapper, src, devices=devices, dtype=dtype, room=1)
 
 
 def roofline_per_round(prefill, transfer, copy, map_share, last_bytes, copy_bytes):
@@ -303,15 +306,17 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
 
 
 def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, names=("small", "large"),
-          fracs=(), both=False):
+          fracs=(), both=False, plain=False):
     """Rows of timings (seconds) for small -> large with mapper `fwd`, and large -> small with `back`;
-    fracs: recompute budgets to time as well; both: the plain path's transfer too."""
+    fracs: recompute budgets to time as well; both: the plain path's transfer too; plain: every step
+    on the plain path (Mapper.apply, model.attend)."""
     models = dict(zip(names, (small, large)))
-    return bench_lean(models.get, names, fwd, back, lengths, repeats, fracs, both)
+    return bench_lean(models.get, names, fwd, back, lengths, repeats, fracs, both, plain)
 
 
 @torch.no_grad()
-def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, fracs=(), both=False):
+def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats=3, fracs=(), both=False,
+               plain=False):
     """bench() for a pair too large to hold together: build(name) makes each model in turn (small, large,
     then small again for `back`) and only one cache of each is kept, so memory peaks at the larger model
     plus the two caches. The same rows, timed in the same order in one process. The contexts are drawn
@@ -325,7 +330,7 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     device = next(small.parameters()).device
     reset_peak_memory(device)                                     # peak_gb: the bench's own peak
     ids = token_ids(lengths, small.config.vocab_size, device)
-    prefill, transfer, recompute, mapping, itemsize, copies, plain = {}, {}, {}, {}, {}, {}, {}
+    prefill, transfer, recompute, mapping, itemsize, copies, plain_s = {}, {}, {}, {}, {}, {}, {}
     copy, copy_bytes = copier(device)
     mappers = {(names[0], names[1]): fwd}
     if back is None:  # else the way back times the small model's prefill, beside its transfers
@@ -339,15 +344,15 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
         transfer[src, tgt], mapping[src, tgt], copies[src, tgt] = {}, {}, {}
         recompute[src, tgt], itemsize[src, tgt] = {f: {} for f in fracs}, next(target.parameters()).element_size()
         for n in tqdm(lengths, desc=f"{src} -> {tgt}: prefill, transfer", unit="length"):
-            fns = [lambda: target(ids[:, :n], last=True), lambda: transfer_step(target, mapper, cache, ids, n),
-                   lambda: map_step(target, mapper, cache, ids, n), copy]
-            fns += [lambda f=f: transfer_step(target, mapper, cache, ids, n, f) for f in fracs]
-            fns += [on_plain_path(lambda: transfer_step(target, mapper, cache, ids, n))] if both else []
+            fns = [lambda: target(ids[:, :n], last=True), lambda: transfer_step(target, mapper, cache, ids, n, 0, plain),
+                   lambda: map_step(target, mapper, cache, ids, n, plain), copy]
+            fns += [lambda f=f: transfer_step(target, mapper, cache, ids, n, f, plain) for f in fracs]
+            fns += [lambda: transfer_step(target, mapper, cache, ids, n, plain=True)] if both else []
             prefill.setdefault(tgt, {})[n], transfer[src, tgt][n], mapping[src, tgt][n], copy_s, *rc = \
                 median_times(fns, device, repeats)
             copies[src, tgt][n] = copy_s, copy_bytes
             if both:
-                plain.setdefault((src, tgt), {})[n] = rc.pop()
+                plain_s.setdefault((src, tgt), {})[n] = rc.pop()
             for f, t in zip(fracs, rc):
                 recompute[src, tgt][f][n] = t
 
@@ -361,19 +366,7 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
     if back is not None:
         mappers[names[1], names[0]] = back
         direction(build(names[0]), back, c_large, names[1], names[0])
-    return rows(prefill, transfer, mappers, device, recompute, mapping, itemsize, copies, plain)
-
-
-def on_plain_path(fn):
-    """fn, run with KVT_PLAIN=1 (config.plain) and the environment restored after."""
-    def run():
-        before = os.environ.get("KVT_PLAIN")
-        os.environ["KVT_PLAIN"] = "1"
-        try:
-            return fn()
-        finally:
-            os.environ.pop("KVT_PLAIN") if before is None else os.environ.update(KVT_PLAIN=before)
-    return run
+    return rows(prefill, transfer, mappers, device, recompute, mapping, itemsize, copies, plain_s)
 
 
 def format_rows(rows):
@@ -439,8 +432,7 @@ def main(argv=None):
                        "e.g. 0.05,0.25")
     check_devices([args.device])
     keep_freed_memory()                # process-wide, both sides alike: a cache of the last one's size costs no page faults
-    if args.plain:
-        os.environ["KVT_PLAIN"] = "1"  # config.plain(): every step's plain path
+    plain = args.plain or plain_requested()  # --plain or KVT_PLAIN=1: every step's plain path
     names = parse_pair(args.pair)
     args.dtype = args.dtype or default_dtype(args.device)
     dtype = getattr(torch, args.dtype)
@@ -448,10 +440,10 @@ def main(argv=None):
     fwd = random_mapper(shape(names[0]), shape(names[1]), args.scope, args.k, dtype, args.device)
     back = random_mapper(shape(names[1]), shape(names[0]), args.scope, args.k, dtype, args.device, seed=1)
     if args.lean:
-        table = bench_lean(build, names, fwd, back, lengths, args.repeats, fracs, args.both)
+        table = bench_lean(build, names, fwd, back, lengths, args.repeats, fracs, args.both, plain)
     else:
-        table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names, fracs, args.both)
-    print(f"{args.pair}, {args.scope} scope, k={args.k}, {args.dtype}{', plain path' if plain() else ''} on "
+        table = bench(build(names[0]), build(names[1]), fwd, back, lengths, args.repeats, names, fracs, args.both, plain)
+    print(f"{args.pair}, {args.scope} scope, k={args.k}, {args.dtype}{', plain path' if plain else ''} on "
           f"{hardware(args.device)}; median of "
           f"{args.repeats} after a warm-up{', one model at a time' if args.lean else ''}; "
           f"peak memory {max(r['peak_gb'] for r in table):.1f} GiB")
@@ -459,7 +451,7 @@ def main(argv=None):
     if args.json:
         args.json.write_text(json.dumps({"pair": args.pair, "scope": args.scope, "k": args.k, "dtype": args.dtype,
                                          "hardware": hardware(args.device), "repeats": args.repeats,
-                                         "plain": plain(), "rows": table},
+                                         "plain": plain, "rows": table},
                                         indent=1))
 
 

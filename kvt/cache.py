@@ -6,27 +6,19 @@ positions and `mask` which slots hold real tokens (False marks left padding). A 
 exactly this object for the target model, which then simply continues from it. kvt's model stores
 each layer head by head, contiguous (B, Hkv, T, D), the order in which the mapper reads it.
 
-Who owns the memory. keys[l] may be a view: select, expand and crop return caches that share
-storage with the original (scoring n continuations of one context, or a prefix of a longer cache,
-costs no copy), so nothing may write into a cache's tensors in place unless it owns them. reserve(n)
-makes a cache that does: its tensors are the first T slots of buffers of T + n slots, `room` slots
-beyond them are free, and the model appends a step's keys and values there in place (the gpt-fast
-way) instead of concatenating, which would copy all T slots at every step of a decode. Such a cache is
-used once: continue from the cache each step returns (generate does), since a second step from the
-same one would write into the same free slots. Every other cache has room 0, and the model then
-concatenates into new tensors, leaving the old ones untouched.
-
-Where the memory comes from. On Linux, glibc's malloc hands a large freed block back to the system, so
-the next cache of that size is written into fresh pages, each one a page fault. keep_freed_memory()
-makes this process keep blocks up to 32 MiB for reuse (kvt's commands call it, as a serving engine
-keeps a KV pool).
+The cache owns its writes. A forward step asks for the cache it will return (grow: the new slots'
+positions and mask), and each attention layer hands it that step's keys and values (update, the one
+cache line of model.Attention): they follow the cached ones (torch.cat: new tensors, so the cache the
+step started from is left as it was), or, for a recompute, replace the cached ones at given slots in
+place. select, expand and crop return caches whose tensors are views of this one's: scoring n
+continuations of one context, or a prefix of a longer cache, costs no copy. (kvt/fast.py's Reserved
+is a cache that owns free slots after its last one and appends there in place, as gpt-fast does.)
 
 A cache as a file (save_kv, load_kv): one sequence's keys and values per layer, its positions and token
 ids, and the fingerprints of the model and tokenizer that made it, as safetensors; what a source serving
 engine writes for a target engine's connector to map (kvt/serving.py).
 """
-import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,19 +28,6 @@ from kvt.config import KvtError
 from kvt.weights import write_safetensors
 
 
-def keep_freed_memory():
-    """Make glibc's malloc keep freed blocks of up to 32 MiB (its largest mmap threshold) in the heap for
-    reuse, and never trim the heap back below 2 GiB, so that a cache of the size of the last ones costs
-    no page faults (a one-off count: about 90K per mapping of 4K tokens, qwen3-0.6b -> 1.7b head scope
-    in bf16, without it). For this process only; a no-op returning False without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3                   # glibc's malloc.h
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
-
-
 @dataclass
 class Cache:
     keys: list          # L x (B, Hkv, T, D), post-RoPE
@@ -56,23 +35,34 @@ class Cache:
     positions: torch.Tensor  # (B, T) long
     mask: torch.Tensor       # (B, T) bool, True = real token
     queries: list | None = None  # L x (B, H, T, D) post-RoPE queries, only when asked for (diagnostics)
-    room: int = 0       # free slots this cache owns after its T (reserve); 0: it owns no spare memory
     full: bool = False  # known to hold no padding (mask all True), so decode needs no attention mask
 
     def __len__(self):
         return self.positions.shape[1]
 
-    @property
-    def next_positions(self):
-        """(B,) the position the next token of each row takes: the count of real tokens so far."""
-        return self.mask.sum(1)
+    def grow(self, positions, mask, full):
+        """The cache a forward step returns: positions and mask (B, S) of every slot, the cached ones and
+        the step's; its layers, this cache's until update() extends them (new lists: this one stays as it is)."""
+        return replace(self, keys=list(self.keys), values=list(self.values), positions=positions, mask=mask,
+                       queries=None, full=full)
+
+    def update(self, l, k, v, slots=None):
+        """Layer l after this step: its keys and values k, v (B, Hkv, T, D) after the cached ones, or (slots
+        (T,), a recompute) written over the cached ones there, in place. Returns the layer's (B, Hkv, S, D)."""
+        if slots is not None:
+            self.keys[l][:, :, slots], self.values[l][:, :, slots] = k, v
+        elif self.keys[l] is not None:
+            self.keys[l], self.values[l] = torch.cat([self.keys[l], k], dim=2), torch.cat([self.values[l], v], dim=2)
+        else:
+            self.keys[l], self.values[l] = k, v
+        return self.keys[l], self.values[l]
 
     def _map(self, fn, time_fn=None):
-        """A new Cache with fn applied to every tensor (keys/values/queries on dim 0 and 2, the rest on 0/1).
-        It owns no room: its tensors may be views of this cache's."""
+        """A new (plain) Cache with fn applied to every tensor (keys/values/queries on dim 0 and 2, the rest
+        on 0/1); its tensors may be views of this cache's."""
         queries = None if self.queries is None else [fn(q) for q in self.queries]
         return Cache([fn(k) for k in self.keys], [fn(v) for v in self.values],
-                     (time_fn or fn)(self.positions), (time_fn or fn)(self.mask), queries, 0, self.full)
+                     (time_fn or fn)(self.positions), (time_fn or fn)(self.mask), queries, self.full)
 
     def select(self, idx):
         """Rows idx of the batch."""
@@ -91,25 +81,6 @@ class Cache:
         def move(t):
             return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
         return self._map(move)
-
-    def reserve(self, n):
-        """A copy that owns room for n more slots per layer: the model then appends in place."""
-        def grow(t):                                                   # (B, Hkv, T, D) -> view of (B, Hkv, T + n, D)
-            buf = t.new_empty(t.shape[0], t.shape[1], t.shape[2] + n, t.shape[3])
-            buf[:, :, :t.shape[2]] = t
-            return buf[:, :, :t.shape[2]]
-        return Cache([grow(k) for k in self.keys], [grow(v) for v in self.values], self.positions, self.mask,
-                     None, n, self.full)
-
-
-def append_in_place(past, new):
-    """The fast path's cache update: past (B, Hkv, T, D) followed by new (B, Hkv, t, D), written in place
-    into past's buffer, which must own room for t more slots (reserve; see the module docstring). The
-    plain update, torch.cat([past, new], dim=2), copies all T slots at every step."""
-    T, t = past.shape[2], new.shape[2]      # past is the first T slots of a longer buffer: the same strides,
-    whole = past.as_strided((*past.shape[:2], T + t, past.shape[3]), past.stride(), past.storage_offset())
-    whole[:, :, T:] = new                   # T + t long, reach into it: k_out[:, :, input_pos] = k_val
-    return whole
 
 
 def empty(n_layers, batch, device=None):

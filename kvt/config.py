@@ -43,10 +43,10 @@ def at_least(name, value, least=1, why=""):
         raise KvtError(f"--{name} {value}: must be at least {least}{why}")
 
 
-def plain():
-    """Whether to run the plain path of every step (KVT_PLAIN=1, or --plain on run.py and kvt bench): the
-    method as the tutorial writes it, the same results within each dtype's tolerance, slower. By default
-    the callers (handoff, generate, calibration statistics) take each step's fast twin."""
+def plain_requested():
+    """Whether the environment asks for the plain path of every step (KVT_PLAIN=1): read by the entry
+    points alone (run.py, kvt bench, the serving connector), beside their --plain, which then pass
+    plain=True (or the plain functions) to what they call; kvt/fast.py holds the fast twins."""
     return os.environ.get("KVT_PLAIN", "0") not in ("", "0")
 
 

@@ -283,9 +283,9 @@ def case_mapper_apply():
     _, cache = source(ids, mask=mask)
     layer = bench.random_mapper(source.config, target_cfg, "layer", 2, seed=6, bias=0.1)
     head = bench.random_mapper(source.config, target_cfg, "head", 1, seed=7, bias=0.1)
-    moved = layer.apply(cache, positions=cache.positions + 100, room=1)
+    moved = layer.apply(cache, positions=cache.positions + 100)
     return {**cache_numbers(layer.apply(cache)), **cache_numbers(head.apply(cache), "head_"),
-            **cache_numbers(moved, "moved_"), "room": num(moved.room)}
+            **cache_numbers(moved, "moved_")}
 
 
 @case("handoff.handoff")
@@ -450,7 +450,7 @@ ABOUT = {
     "mapper.Mapper.apply": About(
         "a random 2-layer source (default RoPE, base 1e4) to a 3-layer target with YaRN RoPE (factor 16, "
         "scale 1.1218), 2 KV heads of 16 channels, a batch of 2 x 7 tokens, row 1 left-padded by 2; layer "
-        "scope k = 2 and head scope k = 1 mappers with a bias; moved_: positions + 100 and room=1",
+        "scope k = 2 and head scope k = 1 mappers with a bias; moved_: positions + 100",
         "strip the source's RoPE (the source's frequencies and scale) from its keys, x @ W + b over the "
         "selected source layers, lay the result out as (B, Hkv, T, D), and rotate keys only by the target's "
         "RoPE at the target positions (the target's frequencies and scale); values get no RoPE",
@@ -609,19 +609,12 @@ SHAPE = re.compile(r"\((B|G|N|T|n|H|Hkv|L|Ls|Lt), ")  # a shape comment: "# (B, 
 # Other kvt code that computes a graded function's answer: in the student copy its body is replaced by one
 # that calls the graded functions, so it works exactly when they do (and shows nothing of how).
 GIVEAWAYS = {
-    "rope": {"mapper.rotation": """\
-    inv, scale = rope.frequencies(cfg)                         # (student copy: routed through rope.apply and
-    B, T, half = pos.shape[0], pos.shape[-1], cfg.head_dim // 2  # rope.strip, which you write)
+    "rope": {"rope.strip_cos_sin": """\
+    pos = pos if pos.dim() == 2 else pos[None]                   # (student copy: routed through rope.strip,
+    B, T, half = pos.shape[0], pos.shape[1], inv_freq.shape[0]   # which you write)
     e = torch.cat([torch.ones(half), torch.zeros(half)]).to(dtype).expand(B, 1, T, 2 * half)  # (B, 1, T, D)
-    y = (rope.strip if inverse else rope.apply)(e, pos, inv, scale)   # (B, 1, T, D): [cos, sin] * scale,
-    cos, sin = y[..., :half].repeat(1, 1, 1, 2), y[..., half:].repeat(1, 1, 1, 2)  # or [cos, -sin] / scale
-    made = {}
-
-    def on(device):
-        if device not in made:
-            made[device] = cos.to(device), sin.to(device)
-        return made[device]
-    return on
+    y = strip(e, pos, inv_freq, scale)                            # (B, 1, T, D): [cos, -sin] / scale
+    return y[..., :half].repeat(1, 1, 1, 2), y[..., half:].repeat(1, 1, 1, 2)
 """},
 }
 

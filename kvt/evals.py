@@ -41,6 +41,7 @@ from tqdm import tqdm
 from kvt import scoring, tasks
 from kvt.answers import coqa_em, coqa_f1
 from kvt.config import KvtError
+from kvt.fast import generate as fast_generate
 from kvt.handoff import Recompute, handoff
 from kvt.model import generate
 # Also here, so that `from kvt import evals` reaches a whole evaluation (tutorial.md, section 10):
@@ -57,6 +58,7 @@ class Condition:
     model: object           # scores continuations / generates after the prefill
     prefill: object = None  # (ids (B, T)[, mask (B, T)]) -> (last logits (B, V), cache); None: the model's own
     floor: bool = False     # prefill the item's minimal prefix instead of its context
+    plain: bool = False     # decode with model.generate, not its fast twin (fast.generate)
 
     def __call__(self, ids, mask=None):
         return scoring.prefill(self.model, ids, self.prefill, mask)  # (B, V), cache
@@ -67,26 +69,30 @@ class Condition:
         attended slots picks them per row, so it reads one item at a time)."""
         return getattr(self.prefill, "batched", True)
 
+    def generate(self, logits, cache, max_new_tokens, **kw):
+        """Greedy decoding by this condition's model from a prefilled state (model.generate)."""
+        return (generate if self.plain else fast_generate)(self.model, logits, cache, max_new_tokens, **kw)
 
-def transfer(source, target, mapper, recompute=Recompute()):
+
+def transfer(source, target, mapper, recompute=Recompute(), plain=False):
     """The transfer prefill: the source reads the context, the mapper carries its cache to the target,
     which runs the last context token itself (kvt.handoff.handoff), and recomputes the `recompute`
-    budget of slots first when one is given (kvt's option)."""
+    budget of slots first when one is given (kvt's option); plain: handoff's."""
     def prefill(ids, mask=None):
-        logits, cache = handoff(source, target, mapper, ids, mask, recompute)  # (B, 1, V), the target's cache
+        logits, cache = handoff(source, target, mapper, ids, mask, recompute, plain)  # (B, 1, V), the target's cache
         return logits[:, -1], cache
     prefill.batched = not (recompute.first or recompute.frac)
     return prefill
 
 
-def conditions(target, source=None, transfer=None):
+def conditions(target, source=None, transfer=None, plain=False):
     """The standard set on one target: target, floor, and source / transfer when given.
-    transfer: a prefill, e.g. evals.transfer(source, target, mapper)."""
-    out = {"target": Condition(target), "floor": Condition(target, floor=True)}
+    transfer: a prefill, e.g. evals.transfer(source, target, mapper); plain: each Condition's."""
+    out = {"target": Condition(target, plain=plain), "floor": Condition(target, floor=True, plain=plain)}
     if source is not None:
-        out["source"] = Condition(source)
+        out["source"] = Condition(source, plain=plain)
     if transfer is not None:
-        out["transfer"] = Condition(target, transfer)
+        out["transfer"] = Condition(target, transfer, plain=plain)
     return out
 
 
@@ -152,7 +158,7 @@ def generate_until(cond, tok, contexts, until, max_new_tokens, logprobs=None):
         return generate_until(cond, tok, [contexts], until, max_new_tokens, None if logprobs is None else [logprobs])[0]
     ids, mask = scoring.left_pad([tok.encode(c) or [tok.prefix_id] for c in contexts], _device(cond.model))
     last, cache = cond(ids, mask)                                        # (B, V)
-    outs = generate(cond.model, last, cache, max_new_tokens, stop_ids=tok.stop_ids, stop=until,
+    outs = cond.generate(last, cache, max_new_tokens, stop_ids=tok.stop_ids, stop=until,
                     decode=tok.decode, logprobs=logprobs)
     texts = []
     for out in outs:
@@ -216,7 +222,7 @@ def converse(cond, tok, convs, start=2, max_new_tokens=64):
     turns = max(len(p) for p in pieces)
     for t in range(start, turns + 1):
         # stop once the first non-blank line is complete: the harness keeps only that line
-        outs = generate(model, last, cache, max_new_tokens, stop_ids=tok.stop_ids, stop=("\n",),
+        outs = cond.generate(last, cache, max_new_tokens, stop_ids=tok.stop_ids, stop=("\n",),
                         decode=lambda x: tok.decode(x).lstrip())
         for b, out in enumerate(outs):
             if t <= len(pieces[b]):

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvt import rope
-from kvt.config import KvtError, plain
-from kvt.model import layer_devices
+from kvt import fast, rope
+from kvt.config import KvtError
+from kvt.model import attend, layer_devices
 
 
 def _dtype_device(model):
@@ -75,9 +75,9 @@ def attention_mass(cache, window=32):
 
 
 @torch.no_grad()
-def handoff(source, target, mapper, ids, mask=None, recompute=Recompute()):
+def handoff(source, target, mapper, ids, mask=None, recompute=Recompute(), plain=False):
     """ids (B, T) long, mask (B, T) bool (False = left padding) or None; recompute: a Recompute budget
-    (batch 1 when it selects by attention).
+    (batch 1 when it selects by attention); plain: take_over's.
 
     Returns the target's logits for the last prompt token (B, 1, V) and its Cache of T slots."""
     if ids.shape[1] == 1:  # nothing to hand over
@@ -89,22 +89,27 @@ def handoff(source, target, mapper, ids, mask=None, recompute=Recompute()):
         scores = attention_mass(src_cache) if recompute.frac > 0 and recompute.by == "attention" else None
         slots = recompute.slots(ids.shape[1] - 1, scores)
     return take_over(target, mapper, src_cache, ids[:, -1:], None if mask is None else mask[:, -1:],
-                     slots, None if slots is None else ids[:, slots])
+                     slots, None if slots is None else ids[:, slots], plain)
 
 
 @torch.no_grad()
-def take_over(target, mapper, src_cache, last_ids, last_mask=None, slots=None, slot_ids=None):
+def take_over(target, mapper, src_cache, last_ids, last_mask=None, slots=None, slot_ids=None, plain=False):
     """The target's side of a handoff (what kvt.bench times): map the source's cache of the first T - 1
     prompt tokens into a cache of the target's, recompute `slots` (their
     token ids slot_ids (B, n)) with the target when given, and run the last prompt token (B, 1) on it,
-    appending its K and V after them. Returns (logits (B, 1, V), Cache of T slots). Takes the mapper's
-    fast twin (apply_fast: room for the last token, appended in place) unless config.plain()."""
+    appending its K and V after them. Returns (logits (B, 1, V), Cache of T slots). plain=True: the plain
+    path (Mapper.apply, model.attend); by default the fast twins (fast.apply with room for the last
+    token, appended in place, and fast.attention)."""
     dtype, device = _dtype_device(target)
-    apply = mapper.apply if plain() else mapper.apply_fast
-    cache = apply(src_cache, devices=layer_devices(target), dtype=dtype, room=1)
+    devices = layer_devices(target)
+    if plain:
+        cache, attention = mapper.apply(src_cache, devices=devices, dtype=dtype), attend
+    else:
+        cache, attention = fast.apply(mapper, src_cache, devices=devices, dtype=dtype, room=1), fast.attention
     if slots is not None and len(slots):
         _, cache = target(slot_ids.to(device), cache=cache, slots=slots.to(device), last=True)
-    return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device))
+    return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device),
+                  attention=attention)
 
 
 def r2(pred, true):
@@ -140,11 +145,11 @@ def kl(logits_p, logits_q):
 
 
 @torch.no_grad()
-def diagnose(source, target, mapper, ids, cuts=4):
+def diagnose(source, target, mapper, ids, cuts=4, plain=False):
     """Diagnostics of a mapper on held-out ids (B, T) (no padding), one sequence at a time (the target's
     queries of every layer are held for one sequence only): a dict with r2_k, r2_v (pooled over the
     sequences), attn_cos (mean over them), lists over target layers, their means, and kl (mean over
-    B x cuts handoffs)."""
+    B x cuts handoffs). plain: map with Mapper.apply rather than its fast twin."""
     dtype, device = _dtype_device(target)
     inv, scale = target.inv_freq, target.rope_scale
     L, T = target.config.n_layers, ids.shape[1]
@@ -154,7 +159,8 @@ def diagnose(source, target, mapper, ids, cuts=4):
     for seq in ids:
         _, src = source(seq[None].to(next(source.parameters()).device), last=True)
         own_logits, true = target(seq[None].to(device), queries=True)
-        mapped = (mapper.apply if plain() else mapper.apply_fast)(src, devices=layer_devices(target), dtype=dtype)
+        mapped = (mapper.apply(src, devices=layer_devices(target), dtype=dtype) if plain else
+                  fast.apply(mapper, src, devices=layer_devices(target), dtype=dtype))
         for l in range(L):
             k_true, k_map = (rope.strip(k, true.positions.to(k.device), inv, scale)
                              for k in (true.keys[l], mapped.keys[l]))
@@ -174,12 +180,12 @@ def diagnose(source, target, mapper, ids, cuts=4):
 
 
 @torch.no_grad()
-def next_nll(source, target, mapper, ids, context):
+def next_nll(source, target, mapper, ids, context, plain=False):
     """Mean negative log-likelihood (nats per token) of the tokens after the first `context` of each
     window ids (B, context + n), one window at a time, under three conditions: target (the target reads
     the whole context), transfer (the source reads the context but its last token, the mapper carries
     its cache over, the target runs the last context token itself: handoff) and floor (the target sees
-    the last context token alone). Returns {condition: (B,) float64}."""
+    the last context token alone). plain: handoff's. Returns {condition: (B,) float64}."""
     device = next(target.parameters()).device
     out = {"target": [], "transfer": [], "floor": []}
     for seq in ids:
@@ -190,7 +196,7 @@ def next_nll(source, target, mapper, ids, context):
             return F.cross_entropy(logits[0].float(), nxt[0].to(logits.device), reduction="mean").double().item()
         own, _ = target(seq[:, :-1])                                        # (1, context + n - 1, V)
         out["target"].append(nll(own[:, context - 1:]))
-        first, cache = handoff(source, target, mapper, seq[:, :context])   # (1, 1, V), the target's cache
+        first, cache = handoff(source, target, mapper, seq[:, :context], plain=plain)  # (1, 1, V), target's cache
         rest, _ = target(seq[:, context:-1], cache=cache)                   # (1, n - 1, V)
         out["transfer"].append(nll(torch.cat([first, rest.to(first.device)], 1)))
         alone, _ = target(seq[:, context - 1:-1])                           # (1, n, V)

@@ -24,8 +24,9 @@ transformers is imported here only, and only when this file is.
 """
 import torch
 
+from kvt import fast
 from kvt.cache import Cache
-from kvt.config import KvtError, config_from_dict, plain
+from kvt.config import KvtError, config_from_dict
 from kvt.mapper import Mapper, check_pair_weights
 from kvt.model import check_ids
 
@@ -83,14 +84,15 @@ def check_pair(source, target, mapper):
 
 
 @torch.no_grad()
-def transfer(source, target, mapper, input_ids, attention_mask=None):
+def transfer(source, target, mapper, input_ids, attention_mask=None, plain=False):
     """A kvt handoff between transformers models: the source prefills input_ids[:, :-1] (B, T - 1), the
     mapper maps its cache to the target's, and the target is left to run the last prompt token itself.
 
     attention_mask (B, T), 0 = left padding, or None. Returns generate()'s keyword arguments:
     {CACHE: DynamicCache of T - 1 slots, "attention_mask": (B, T) long}, so
     target.generate(input_ids, **state, ...) runs input_ids[:, -1] on the mapped cache and gives the
-    tokens kvt's handoff + kvt.generate give. The cache is used once: generate appends to it."""
+    tokens kvt's handoff + kvt.generate give. The cache is used once: generate appends to it. plain: map
+    with Mapper.apply rather than its fast twin (fast.apply)."""
     if not isinstance(mapper, Mapper):
         raise KvtError(f"mapper must be a kvt Mapper (kvt.mapper.calibrate or load_mapper), not {type(mapper).__name__}")
     check_pair(source, target, mapper)
@@ -111,5 +113,6 @@ def transfer(source, target, mapper, input_ids, attention_mask=None):
                  position_ids=pos[:, :-1].to(source.device))
     src_cache = to_kvt(getattr(src, CACHE), pos[:, :-1].to(source.device), mask[:, :-1].to(source.device))  # T - 1 slots
     devices = [next(layer.parameters()).device for layer in target.get_decoder().layers]  # each layer's cache there
-    mapped = (mapper.apply if plain() else mapper.apply_fast)(src_cache, devices=devices, dtype=target.dtype)
+    mapped = (mapper.apply(src_cache, devices=devices, dtype=target.dtype) if plain else
+              fast.apply(mapper, src_cache, devices=devices, dtype=target.dtype))
     return {CACHE: to_hf(mapped), **state}

@@ -9,17 +9,15 @@ For target layer t and kind K (or V), with sel = the k selected source layers (l
     x = source KV of layers sel, RoPE stripped        (G, N, k * Bx)
     y = x @ W[t] + b[t]                               (G, N, By)   batched over groups
 then y is laid back out as (B, Hkv, T, D) and, for keys, rotated by the target's RoPE at the target
-positions: Mapper.apply, in float32 whatever the cache's dtype. Mapper.apply_fast is its twin with the
-same signature and result (tests/test_fast.py): fewer passes over memory, one GEMM per target layer in
-the mapper's dtype (in head scope on a CPU, per tile of TILE tokens), the cache written in place
-(tutorial section 11).
+positions: Mapper.apply, in float32 whatever the cache's dtype. fast.apply (kvt/fast.py) is its twin,
+tested equal (tests/test_fast.py): fewer passes over memory, one GEMM per target layer in the mapper's
+dtype, the cache written in place (tutorial section 11).
 Head scope (G = Hkv): head h from head h of the selected layers. Layer scope (G = 1): every head from
 all heads of the selected layers, which also maps between different KV shapes.
 
 Placement: place() puts the weights for target layer l on the device of target layer l (one GPU or
-several); apply then maps layer l there (apply_fast moves each source layer's KV at most once to each
-device that needs it), and the mapped cache's layer l lives there, where the target's layer l will read it. An
-unplaced mapper stays where it was made (the CPU) and every apply would copy its weights over again.
+several); apply then maps layer l there, and the mapped cache's layer l lives there, where the
+target's layer l will read it. An unplaced mapper stays where it was made (the CPU) and every apply would copy its weights over again.
 """
 import hashlib
 import json
@@ -38,7 +36,7 @@ from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv, matched_kv
-from kvt.stats import (KINDS, SAVE_S, accumulate, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
+from kvt.stats import (KINDS, SAVE_S, accumulate, add_batch, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
                        new_stats, sums_bytes)
 from kvt.weights import model_fingerprint, write_safetensors
 
@@ -56,16 +54,14 @@ class Mapper:
     meta: dict = field(default_factory=dict)  # k, lambda, tokenizer fingerprint, diagnostics...
 
     @torch.no_grad()
-    def apply(self, src_cache, positions=None, devices=None, dtype=None, room=0):
+    def apply(self, src_cache, positions=None, devices=None, dtype=None):
         """The target's Cache for a source Cache (post-RoPE keys, as a serving engine holds them).
 
         positions (B, T) long: where the target's RoPE puts the mapped keys (default: the source's).
         devices: where to map and keep each target layer (e.g. layer_devices(target)); default: where
         place() put the mapper's weights, or else the source cache's device. Positions and mask go to
         devices[0], beside the target's embedding. Computes in float32 (float64 for a float64 mapper)
-        and returns the cache in `dtype` (default: the source cache's). room: slots the new cache owns
-        after its T, so the target's next step appends in place; only the fast twin (apply_fast) makes
-        them: here the target's next step concatenates."""
+        and returns the cache in `dtype` (default: the source cache's)."""
         s, t = self.src_cfg, self.tgt_cfg
         B, T = src_cache.positions.shape
         pos = src_cache.positions if positions is None else positions
@@ -103,81 +99,6 @@ class Mapper:
             G, N = x.shape[:2]
             y = y + unflat(mlp_.forward(p, flat(x.view(G, N, len(self.layers[kind][l]), -1))), G)
         return y
-
-    # ---- the fast path: apply's twin, same signature, same result (tests/test_fast.py) ------------------
-
-    @torch.no_grad()
-    def apply_fast(self, src_cache, positions=None, devices=None, dtype=None, room=0):
-        """apply, faster: the source keys stripped straight into the features' layout (rope.rotate_into),
-        then each target layer mapped tile by tile (map_layer_fast: the k selected layers' features of
-        TILE tokens side by side, one batched GEMM with the bias in the mapper's dtype, the target's RoPE,
-        written straight into the new cache), and `room` slots after it so the target's next step
-        appends in place (cache.append_in_place). A bf16 mapper's GEMM accumulates in float32;
-        rotations run in float32 or better and round once to their output's dtype."""
-        s, t = self.src_cfg, self.tgt_cfg
-        B, T = src_cache.positions.shape
-        pos = src_cache.positions if positions is None else positions
-        devices = [torch.device(d) for d in devices or self.devices(src_cache.keys[0].device)]
-        work, out_dtype = self.W["k"][0].dtype, dtype or src_cache.keys[0].dtype
-        exact = torch.promote_types(work, torch.float32)                     # what rotations compute in
-        src_rope, tgt_rope = rotation(s, src_cache.positions, exact, inverse=True), rotation(t, pos, exact)
-        used = {kind: sorted(set(self.layers[kind].flatten().tolist())) for kind in KINDS}  # source layers read
-        G, Bx, By = groups(s, t, self.scope)
-
-        def stripped(k):  # keys (B, Hkv, T, D), RoPE stripped, written straight into features (G, N, Bx)
-            x = torch.empty(G, B * T, Bx, dtype=work, device=k.device)
-            rotated(k, *src_rope(k.device), unfeatures(x, self.scope, B, T, s.n_kv_heads, s.head_dim))
-            return x
-
-        xs = {"k": {l: stripped(src_cache.keys[l]) for l in used["k"]},
-              "v": {l: layer_features(src_cache.values[l].to(work), self.scope) for l in used["v"]}}
-        keys, values = [None] * t.n_layers, [None] * t.n_layers
-        for d in dict.fromkeys(devices):                                     # each device once, in layer order
-            here = [l for l in range(t.n_layers) if devices[l] == d]
-            for kind, out in (("k", keys), ("v", values)):
-                need = sorted({src for l in here for src in self.layers[kind][l].tolist()})
-                x = {src: xs[kind][src].to(d) for src in need}               # each source layer moved once to d
-                for l in here:
-                    buf = torch.empty(B, t.n_kv_heads, T + room, t.head_dim, dtype=out_dtype, device=d)
-                    out[l] = buf[:, :, :T]                                   # (B, Hkv, T, D), room slots after it
-                    self.map_layer_fast(kind, l, x, out[l], tgt_rope(d) if kind == "k" else None)
-        return Cache(keys, values, pos.to(devices[0]).clone(), src_cache.mask.to(devices[0]).clone(), room=room,
-                     full=src_cache.full)
-
-    def map_layer_fast(self, kind, l, xs, out, cos_sin=None):
-        """map_layer written into out (B, Hkv, T, D), rotated by cos_sin (the target's RoPE; keys) when
-        given, a tile of TILE tokens of one sequence at a time on a CPU, so the tile's gathered features
-        and its outputs stay in the CPU's cache between the copy, the GEMM and the rotation. Each tile
-        reads all of W again, which pays while W is the smaller operand (By < TILE: head scope); layer
-        scope's W (k*Hkv*D, Hkv*D) is larger, and there, as on a GPU, the whole batch is one tile. Per
-        tile: the k selected layers' features copied side by side into one buffer, then x @ W + b as
-        one baddbmm in the features' dtype (for bf16 the sum over the k layers accumulates in float32
-        inside it and is rounded once); with an MLP, map_layer on the tile."""
-        sel = self.layers[kind][l].tolist()
-        x0 = xs[sel[0]]
-        G, N, Bx = x0.shape
-        B, Hkv, T, D = out.shape
-        W, b = self.W[kind][l].to(x0), self.b[kind][l].to(x0)[:, None]      # (G, k*Bx, By), (G, 1, By)
-        tile = TILE if out.device.type == "cpu" and W.shape[-1] < TILE else T  # each tile reads all of W again
-        spans = ([(r, 1, t0, min(tile, T - t0)) for r in range(B) for t0 in range(0, T, tile)] if tile < T
-                 else [(0, B, 0, T)])                                       # (first row, rows, first slot, slots)
-        m_max = max(rows * n for _, rows, _, n in spans)                     # features per span, at most
-        buf = None if self.mlp_mode else torch.empty(G, m_max, len(sel) * Bx, dtype=x0.dtype, device=x0.device)
-        for r, rows, t0, n in spans:
-            n0, m = r * T + t0, rows * n                                      # features n0 .. n0 + m
-            if self.mlp_mode:
-                y = self.map_layer(kind, l, {src: xs[src][:, n0:n0 + m] for src in sel})
-            else:
-                x = buf[:, :m]
-                for i, src in enumerate(sel):
-                    x[:, :, i * Bx:(i + 1) * Bx] = xs[src][:, n0:n0 + m]       # (G, m, k*Bx)
-                y = torch.baddbmm(b, x, W)                                    # (G, m, By)
-            y = unfeatures(y, self.scope, rows, n, Hkv, D)                    # (rows, Hkv, n, D)
-            o = out[r:r + rows, :, t0:t0 + n]
-            if cos_sin is None:
-                o.copy_(y)
-            else:
-                rotated(y, *(c[r:r + rows, :, t0:t0 + n] for c in cos_sin), o)
 
     def n_params(self):
         return sum(t.numel() for t in self._floats())
@@ -232,32 +153,6 @@ class Mapper:
                       dict(self.meta))
 
 
-TILE = 256  # tokens per tile of the fast map on a CPU: its gathered features (G, TILE, k*Bx) fit an L3 cache
-
-
-def rotated(x, cos, sin, out):
-    """x rotated by (cos, sin) (rope.rotate) in their dtype (float32 or better) and written into out, rounded
-    once to out's dtype."""
-    if out.dtype == cos.dtype:
-        return rope.rotate_into(x.to(cos.dtype), cos, sin, out=out)
-    return out.copy_(rope.rotate(x.to(cos.dtype), cos, sin))
-
-
-def rotation(cfg, pos, dtype, inverse=False):
-    """device -> (cos, sin) of cfg's RoPE at positions pos (B, T), computed once and copied once to
-    each device asked for; inverse: the rotation by -position that strips RoPE (rope.strip)."""
-    inv, scale = rope.frequencies(cfg)
-    cos, sin = rope.cos_sin(pos, inv, 1 / scale if inverse else scale, dtype)   # (B, 1, T, D)
-    sin = -sin if inverse else sin
-    made = {}
-
-    def on(device):
-        if device not in made:
-            made[device] = cos.to(device), sin.to(device)
-        return made[device]
-    return on
-
-
 def flat(x):
     """Group layout (G, N, k, Bx) -> all heads of the k layers per token (N, k*Hkv*D), the MLP's input."""
     return x.permute(1, 2, 0, 3).reshape(x.shape[1], -1)            # (N, k, G, Bx) -> (N, k*G*Bx)
@@ -293,7 +188,8 @@ def target_groups(selected, bx, by, bound):
 
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, checkpoint=None, key="",
               stats_device=None, tokenizer="", progress=True, products=torch.float32, stats_dtype=torch.float64,
-              candidates=None, group=None, keep_stats=True, save_s=SAVE_S, select=None, weights="uniform"):
+              candidates=None, group=None, keep_stats=True, save_s=SAVE_S, select=None, weights="uniform",
+              add=add_batch):
     """Fit a ridge Mapper from source to target on a data.Calibration (fit and validation regions).
 
     1. statistics over the candidate source layers (head-level when the pair has matched KV);
@@ -318,6 +214,8 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     weights: "uniform" (the paper's) or "attention" (CacheBridge's attention-weighted ridge, head scope
     only, attnfit.py): after step 2, a second pass streams the r-weighted sums of each target layer's
     selected layers (checkpointed as CHECKPOINT.attn-<id of the selection>), and step 4 blends them in.
+    add: how a batch of the passes of steps 1 and 3 is added (stats.add_batch; run.py passes its fast
+    twin, fast.add_batch, and with it `products`).
     Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
     Returns (mapper, report): report["r2_single"][kind] (C, Lt) validation R^2 of single-layer fits of the
     C candidates, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the final fits."""
@@ -339,7 +237,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     def run_pass(name, scope_, src_layers=None, tgt_layers=None, final=True):
         stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device, stats_dtype, key)
         return accumulate(source, target, calib, stats, batch_size, checkpoint and f"{checkpoint}.{name}",
-                          save_s=save_s, final=final, progress=progress, products=products)
+                          save_s=save_s, final=final, progress=progress, products=products, add=add)
 
     skipped = {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}  # singular lambdas
     stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, candidates))

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvt import rope
-from kvt.cache import Cache, append_in_place, empty
-from kvt.config import Config, KvtError, load_config, plain, shape
+from kvt.cache import empty
+from kvt.config import Config, KvtError, load_config, shape
 from kvt.weights import check_checkpoint, check_outline, load_weights
 
 
@@ -45,7 +45,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.norm_eps)
         self.H, self.Hkv, self.D = H, Hkv, D
 
-    def forward(self, x, cos, sin, temperature, past_k, past_v, attn_mask, room=0, slots=None):
+    def forward(self, x, cos, sin, temperature, cache, l, attn_mask, attention, slots=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.D)     # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.Hkv, self.D)   # (B, T, Hkv, D)
@@ -57,35 +57,18 @@ class Attention(nn.Module):
         k, v = k.contiguous(), v.contiguous()  # a cache keeps each head's slots together, as the mapper reads them
         if temperature is not None:                                         # <-- difference 3: Ministral 3
             q = q * temperature.to(q.dtype)
-        if slots is not None:   # recompute: this pass's own keys and values replace the cached ones there
-            past_k[:, :, slots], past_v[:, :, slots] = k, v
-            k, v = past_k, past_v                                           # (B, Hkv, S, D)
-        elif room >= T:           # fast path: written into the free slots the cache owns (cache.reserve)
-            k, v = append_in_place(past_k, k), append_in_place(past_v, v)  # (B, Hkv, S, D)
-        elif past_k is not None:  # the cache update: this step's keys and values after the cached ones
-            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # (B, Hkv, S, D)
-        causal = attn_mask is None and past_k is None                       # a plain prefill
-        if T == 1 and q.device.type == "cpu" and q.dtype != torch.float32 and not plain():
-            y = one_query_attention(q, k, v, attn_mask)                     # fast path, (B, H, 1, D)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                               enable_gqa=self.H != self.Hkv)   # (B, H, T, D)
+        k, v = cache.update(l, k, v, slots)    # the cache update: after the cached slots (B, Hkv, S, D)
+        y = attention(q, k, v, attn_mask, causal=attn_mask is None and k.shape[2] == T)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.H * self.D)               # (B, T, H*D)
-        return self.o_proj(y), q, k, v
+        return self.o_proj(y), q
 
 
-def one_query_attention(q, k, v, attn_mask=None):
-    """F.scaled_dot_product_attention for one bf16 (or fp16) query q (B, H, 1, D) on a CPU, in float32:
-    the H / Hkv query heads that share a KV head as the rows of one product with its keys (B, Hkv, S, D),
-    a softmax, a product with its values, rounded once. torch's fused CPU kernel took 4x as long for one
-    bf16 query over 2K slots (`python -m tests.bench_fast decode --dtype bfloat16`). attn_mask: None or
-    bool (B, 1, 1, S), True = attend."""
-    B, H, _, D = q.shape
-    Hkv = k.shape[1]
-    scores = q.reshape(B, Hkv, H // Hkv, D).float() @ k.float().transpose(-1, -2) * D ** -0.5  # (B, Hkv, H/Hkv, S)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return (scores.softmax(-1) @ v.float()).to(q.dtype).view(B, H, 1, D)
+def attend(q, k, v, attn_mask, causal):
+    """Scaled dot-product attention of q (B, H, T, D) over k, v (B, Hkv, S, D), each KV head shared by
+    H / Hkv query heads (GQA). attn_mask: bool (B, 1, T, S), True = attend, or None: causal (a plain
+    prefill) or every slot (one new token)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MLP(nn.Module):
@@ -108,9 +91,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, *attn_args):
-        a, q, k, v = self.self_attn(self.input_layernorm(x), *attn_args)
+        a, q = self.self_attn(self.input_layernorm(x), *attn_args)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), q, k, v
+        return x + self.mlp(self.post_attention_layernorm(x)), q
 
 
 class Decoder(nn.Module):  # the checkpoint's "model." prefix
@@ -134,7 +117,8 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None, last=False, slots=None):
+    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None, last=False, slots=None,
+                attention=attend):
         """input_ids (B, T) long; cache: a Cache to continue from; mask (B, T) bool, False = left padding;
         positions (B, T) long: RoPE positions of these tokens (default: count on from the cache);
         last: compute logits for the last position only (all a server needs after prefill).
@@ -142,6 +126,7 @@ class Transformer(nn.Module):
         `cache`; their own K and V overwrite the cached ones there, in place (the cache must own its
         memory, as a mapped one does), and each attends to the cache's slots up to its own, the others
         as cached (selective recompute, handoff.py).
+        attention: the attention function (attend; kvt/fast.py has a faster one for one query on a CPU).
         Returns logits (B, T, V) (or (B, 1, V)) and a new Cache holding the old slots plus these T."""
         prefill = cache is None or not len(cache)
         check_ids(input_ids, self.config.vocab_size, values=prefill)  # the values (a device sync) at prefill only
@@ -152,7 +137,7 @@ class Transformer(nn.Module):
         cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
         mask_given, mask = mask, mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
         if slots is not None:
-            return self._recompute(input_ids, cache, slots, queries, last)
+            return self._recompute(input_ids, cache, slots, queries, last, attention)
         if cache.positions.shape[1]:  # next position: one past the last real slot of each row
             start = cache.positions.masked_fill(~cache.mask, -1).amax(1, keepdim=True) + 1  # (B, 1)
         else:
@@ -171,39 +156,37 @@ class Transformer(nn.Module):
             attn_mask = ((j <= i) & key_mask[:, None]) | (j == i)  # (B, T, S); a pad still sees itself
             attn_mask = attn_mask[:, None]                         # (B, 1, T, S)
 
-        logits, keys, values, qs = self._layers(input_ids, pos, cache, attn_mask, queries, last)
-        room = cache.room - T if cache.room >= T else 0                # what an in-place append left free
-        return logits, Cache(keys, values, positions, key_mask, qs, room, full)
+        new = cache.grow(positions, key_mask, full)                # every layer's update() extends it
+        logits = self._layers(input_ids, pos, new, attn_mask, queries, last, attention)
+        return logits, new
 
-    def _recompute(self, input_ids, cache, slots, queries, last):
+    def _recompute(self, input_ids, cache, slots, queries, last, attention):
         """forward(slots=...): the tokens at cache slots `slots` run again, writing their K and V there."""
         S = len(cache)
         i, j = slots[:, None], torch.arange(S, device=slots.device)[None]          # (T, 1) query, (1, S) key slots
         attn_mask = (((j <= i) & cache.mask[:, None]) | (j == i))[:, None]        # (B, 1, T, S)
-        logits, keys, values, qs = self._layers(input_ids, cache.positions[:, slots], cache, attn_mask, queries,
-                                                last, slots)
-        return logits, Cache(keys, values, cache.positions, cache.mask, qs, cache.room, cache.full)
+        new = cache.grow(cache.positions, cache.mask, cache.full)                 # the same slots, rewritten
+        logits = self._layers(input_ids, cache.positions[:, slots], new, attn_mask, queries, last, attention, slots)
+        return logits, new
 
-    def _layers(self, input_ids, pos, cache, attn_mask, queries, last, slots=None):
-        """Every layer over input_ids at RoPE positions pos (B, T), continuing from cache: (logits, the
-        layers' keys, values, and queries when asked)."""
+    def _layers(self, input_ids, pos, cache, attn_mask, queries, last, attention, slots=None):
+        """Every layer over input_ids at RoPE positions pos (B, T), each writing its keys and values into
+        cache (and, when asked, its queries into cache.queries): the logits."""
         x = self.model.embed_tokens(input_ids)                     # (B, T, C)
         cos, sin = rope.cos_sin(pos, self.inv_freq, self.rope_scale, x.dtype)  # (B, 1, T, D)
         temperature = rope.query_temperature(self.config, pos)     # (B, 1, T, 1) or None
-        keys, values, qs = [], [], []
+        qs = []
         for l, block in enumerate(self.model.layers):
             d = block.input_layernorm.weight.device  # layers may live on different devices (see dist.py)
             x = x.to(d)
             m = attn_mask.to(d) if attn_mask is not None else None
             t = temperature.to(d) if temperature is not None else None
-            x, q, k, v = block(x, cos.to(d), sin.to(d), t, cache.keys[l], cache.values[l], m, cache.room,
-                               None if slots is None else slots.to(d))
-            keys.append(k)
-            values.append(v)
+            x, q = block(x, cos.to(d), sin.to(d), t, cache, l, m, attention, None if slots is None else slots.to(d))
             if queries:  # only when asked: every layer's queries held to the end cost as much as the KV
                 qs.append(q)
+        cache.queries = qs if queries else None
         x = self.model.norm(x[:, -1:] if last else x).to(self.lm_head.weight.device)
-        return self.lm_head(x), keys, values, qs if queries else None     # logits (B, T, V)
+        return self.lm_head(x)                                     # logits (B, T, V)
 
 
 def check_ids(ids, vocab_size, values=True):
@@ -298,18 +281,17 @@ def build_model(cfg, dtype=torch.float32, device="cpu", seed=0, std=0.02):
 
 
 @torch.no_grad()
-def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=None, logprobs=None):
+def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=None, logprobs=None,
+             attention=attend):
     """Greedy decoding from a prefilled state: `logits` (B, V) are the last position's, `cache` holds
-    the context (it is not modified: each step concatenates, or on the fast path appends in place to one
-    copy that owns room for every new token).
+    the context (it is not modified: each step's cache follows it, cache.Cache.update).
     Stops a row at a token in stop_ids or once decode(row tokens) contains a stop string.
     Returns a list of B token lists, without the stop token; a stop string stays in the text (callers cut it).
-    logprobs: a list of B empty lists, to be filled with the log-probability of each token returned."""
+    logprobs: a list of B empty lists, to be filled with the log-probability of each token returned.
+    attention: the model's attention function (fast.generate passes its own)."""
     B = logits.shape[0]
     out = [[] for _ in range(B)]
     done = [False] * B
-    if not plain():  # fast path: one copy now that owns room for every step, then appends in place
-        cache = cache.reserve(max(0, max_new_tokens - 1))
     for step in range(max_new_tokens):
         nxt = logits.argmax(-1)                                    # (B,)
         if logprobs is not None:                                   # (B,): log softmax at the chosen token
@@ -327,7 +309,7 @@ def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=
                 done[b] = True
         if all(done) or step == max_new_tokens - 1:                # the last token needs no forward pass
             break
-        logits, cache = model(nxt[:, None], cache=cache)
+        logits, cache = model(nxt[:, None], cache=cache, attention=attention)
         logits = logits[:, -1]
     return out
 

@@ -46,7 +46,7 @@ import torch
 import kvt
 from kvt import dist, evals, ridge, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
-from kvt.cache import keep_freed_memory
+from kvt.fast import keep_freed_memory
 from kvt.config import KvtError, at_least, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair
 from kvt.data import calibration_sequences, check_same_tokenizer, heldout_windows
 from kvt.figures import retention_png

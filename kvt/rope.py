@@ -115,19 +115,9 @@ def strip(y, pos, inv_freq, scale=1.0):
     return (rotate(y.to(work), cos, -sin) / (cos * cos + sin * sin)).to(y.dtype)
 
 
-# ---- the fast path (tested equal to rotate in tests/test_fast.py) ---------------------------------------
-
-def rotate_into(x, cos, sin, out):
-    """rotate(x, cos, sin) written into `out` (a cache buffer, say; any strides, any float dtype, not x
-    itself) plane by plane, with no concatenated or negated copy of x:
-
-        out[:D/2] = x1 * cos - x2 * sin        out[D/2:] = x2 * cos + x1 * sin
-
-    Three passes: x * cos over the whole width, then one multiply-add per half."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    s = sin[..., :half]                                                # cos_sin repeats each angle for both halves
-    torch.mul(x, cos, out=out)
-    out[..., :half].addcmul_(x2, s, value=-1)
-    out[..., half:].addcmul_(x1, s)
-    return out
+def strip_cos_sin(pos, inv_freq, scale, dtype):
+    """cos and sin of the rotation by -pos with the scale divided out: rotate(y, *strip_cos_sin(...)) is
+    strip(y) without its division by cos^2 + sin^2, equal to it up to rounding (that sum is 1 exactly
+    in exact arithmetic). The inverse a caller precomputes once for many rotations (kvt/fast.py)."""
+    cos, sin = cos_sin(pos, inv_freq, 1 / scale, dtype)
+    return cos, -sin

@@ -10,8 +10,8 @@
     out[0].kv_transfer_params["kvt"]    # {"loaded": T - 1} or {"fallback": why}
 
 The protocol is kvt's handoff (handoff.py): for a prompt of T tokens, the connector reports the first T - 1
-as loadable (get_num_new_matched_tokens), maps the source's KV of those slots with Mapper.apply_fast (or
-apply under KVT_PLAIN=1) and writes it into the target's paged KV buffers for the request's blocks
+as loadable (get_num_new_matched_tokens), maps the source's KV of those slots with fast.apply (or
+Mapper.apply under KVT_PLAIN=1 or the extra config's "plain": true) and writes it into the target's paged KV buffers for the request's blocks
 (start_load_kv); vLLM then runs the last prompt token on it, as kvt's take_over does.
 
 Approximate KV is never served as exact: the target engine must run with enable_prefix_caching=False
@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import SafetensorError
 
+from kvt import fast
 from kvt.cache import Cache, kv_header, load_kv, save_kv
-from kvt.config import KvtError, load_config, plain
+from kvt.config import KvtError, load_config, plain_requested
 from kvt.handoff import gate
 from kvt.mapper import load_mapper
 from kvt.tokenizer import load_tokenizer
@@ -129,6 +130,7 @@ class KvtConnector(KVConnectorBase_V1):
                            "(head dims that are multiples of 32)")
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.mapper, self.unfit = None, None
+        self.plain = plain_requested() or bool(extra.get("plain"))                  # the map's plain path (Mapper.apply)
         if extra.get("mapper"):
             if vllm_config.cache_config.enable_prefix_caching:
                 raise KvtError("the target engine caches prefixes: mapped (approximate) KV would be served as exact "
@@ -236,7 +238,8 @@ class KvtConnector(KVConnectorBase_V1):
         """Map the file's first n slots to this engine's model and write them into the request's blocks."""
         src = load_kv(load.path, load.n)                                     # L_src x (1, Hkv_s, n, D_s)
         kv0 = self.kv_caches[0]
-        mapped = (self.mapper.apply if plain() else self.mapper.apply_fast)(src, dtype=kv0.dtype)  # L x (1, Hkv, n, D)
+        mapped = (self.mapper.apply(src, dtype=kv0.dtype) if self.plain else
+                  fast.apply(self.mapper, src, dtype=kv0.dtype))                # L x (1, Hkv, n, D)
         block, offset = slots(load.block_ids, load.n, self.block_size)
         for l, kv in sorted(self.kv_caches.items()):
             keys, values = paged_view(kv, self.block_size)

@@ -13,18 +13,9 @@ the calibration data serves layer selection and the final fit. Sums are plain te
 objects add by tensor addition, and a checkpoint is those tensors in a safetensors file, so a resumed
 calibration is bit-identical to an unbroken one.
 
-The plain path (Sums.add_) is those sums, nothing else: each batch's products in float64, added.
-
-The fast path (add_batch's default, tested equal within float32's tolerance in tests/test_fast.py).
-Features are centered on a shift m before their products are taken, and the shift's share is added
-back exactly in the sums' dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T + s m^T  (xc = x - m,
-s = sum xc). The big products then run in float32 (fast) on numbers of the size of the features'
-spread, not of their mean, so features with a large mean lose nothing; only the upper part of the
-symmetric xx is computed. Streaming centers every FLUSH tokens of batches on the first one's mean
-(Pending); on a CPU it holds their float32 products apart and adds them to the float64 sums once per
-flush, since converting and adding them batch by batch cost as much as the products themselves (on a
-GPU that memory goes to the statistics instead). products=float64 and float32 sums
-(dtype=torch.float32, half the memory) are options.
+This file is the plain path: each batch's products in float64 (Sums.add_), added. Its fast twin,
+fast.add_batch (kvt/fast.py, tested equal in tests/test_fast.py), centers the features and takes
+float32 products of the upper part of xx only; the caller picks one by passing it as `add`.
 
 Two splits: "fit" (calibration's fit region) and "val" (its validation region, data.Calibration),
 kept as separate sums; layer selection and lambda are chosen on "val". Diagnostics use a third region
@@ -45,14 +36,12 @@ from tqdm import tqdm
 
 from kvt import dist
 from kvt.capture import capture, features
-from kvt.config import KvtError, check_matched_kv, matched_kv, plain
+from kvt.config import KvtError, check_matched_kv, matched_kv
 from kvt.weights import write_safetensors
 
 KINDS = ("k", "v")
 SPLITS = ("fit", "val")
 FIELDS = ("xx", "xy", "sx", "sy", "syy", "n")
-CHUNK = 256        # features per row chunk of the upper part of xx
-FLUSH = 8192       # tokens of products held in the products' dtype before they are added to the sums
 FORMAT = "kvt-stats-2"  # 2: fit/val regions of disjoint documents, target-layer lists, centered products
 
 
@@ -60,9 +49,9 @@ FORMAT = "kvt-stats-2"  # 2: fit/val regions of disjoint documents, target-layer
 class Sums:
     """Sums over tokens for one kind (K or V) and one split; G groups, F features, O outputs.
 
-    xx = sum x x^T is symmetric: gram() reads only its upper part, so the fast path accumulates only
-    that (rows in chunks of CHUNK features, each from its own diagonal on: about half the work)."""
-    xx: torch.Tensor   # (G, F, F)  sum x x^T (the fast path: its upper part)
+    xx = sum x x^T is symmetric: gram() reads only its upper part (the fast twin, fast.add_fast_,
+    accumulates only that: about half the work)."""
+    xx: torch.Tensor   # (G, F, F)  sum x x^T (fast.add_fast_: its upper part)
     xy: torch.Tensor   # (G, F, O)
     sx: torch.Tensor   # (G, F)
     sy: torch.Tensor   # (G, O)
@@ -102,92 +91,11 @@ class Sums:
     def tensors(self):
         return [getattr(self, f) for f in FIELDS]
 
-    # ---- the fast path (module docstring) ---------------------------------------------------------------
-
-    def add_fast_(self, x, y, products=torch.float32):
-        """add_, faster: x and y centered on their batch mean, the products in `products` (upper part of
-        xx only), the mean's share added back in the sums' dtype."""
-        return Pending(self, products, hold=False).add_(x, y).flush_()
-
-    def add_raw_(self, x, y):
-        """Add tokens x (G, N, F) and y (G, N, O) as they are: the products in x's dtype, added in the
-        sums' dtype."""
-        xt = x.transpose(1, 2)                                             # (G, F, N)
-        for i in range(0, x.shape[2], CHUNK):                              # rows i:i+CHUNK, columns i:
-            self._addmm(self.xx[:, i:i + CHUNK, i:], xt[:, i:i + CHUNK], x[:, :, i:])
-        self._addmm(self.xy, xt, y)                                        # (G, F, N) @ (G, N, O)
-        self.sx += x.sum(1)
-        self.sy += y.sum(1)
-        self.syy += (y * y).sum(1)
-        self.n += x.shape[1]
-        return self
-
-    @staticmethod
-    def _addmm(out, a, b):
-        """out += a @ b, batched; in place when a and b have out's dtype already, else the product in
-        theirs, added in out's."""
-        if a.dtype == out.dtype:
-            out.baddbmm_(a, b)
-        else:
-            out.add_(torch.bmm(a, b))
-
-    def add_shifted_(self, other, mx, my):
-        """Add `other`, sums of x - mx and y - my (in any dtype; mx (G, 1, F), my (G, 1, O)), as sums of x
-        and y: in the sums' dtype,  sum x x^T = sum xc xc^T + n m m^T + m s^T + s m^T  (s = sum xc)."""
-        dt, n = self.sx.dtype, other.n.to(self.sx.dtype)
-        mx, my = mx.to(dt), my.to(dt)
-        sxc, syc = other.sx.to(dt)[:, None], other.sy.to(dt)[:, None]     # (G, 1, F), (G, 1, O)
-        ux, uy = n * mx + sxc, n * my + syc                                # = sum x, sum y
-        a = torch.cat([mx, sxc], 1).transpose(1, 2)                       # (G, F, 2): one rank-2 update each
-        if other.xx is not self.xx:                                        # (else its products are in self)
-            self.xx.add_(other.xx)
-            self.xy.add_(other.xy)
-        self.xx.baddbmm_(a, torch.cat([ux, mx], 1))                        # + n m m^T + m s^T + s m^T
-        self.xy.baddbmm_(a, torch.cat([uy, my], 1))
-        self.sx += ux[:, 0]
-        self.sy += uy[:, 0]
-        self.syy += other.syy.to(dt) + (2 * syc + n * my)[:, 0] * my[:, 0]  # sum (yc + m)^2
-        self.n += other.n.to(self.n.dtype)
-        return self
-
 
 def holds(device, dtype, products=torch.float32):
     """Whether float32 products are held apart from sums of `dtype` on `device` (Pending): on a CPU,
     where adding them to float64 sums batch by batch cost as much as the products themselves."""
     return torch.device(device).type == "cpu" and dtype != products
-
-
-class Pending:
-    """Products of a few batches in the products' dtype, centered on one shift (the first batch's mean),
-    added to `sums` at once every FLUSH tokens and by flush_(): on a CPU the float64 sums are then read
-    and written once per flush, not once per batch. Until flush_(), `sums` lacks what is pending. Where
-    the products are not held (holds(): a GPU, whose memory goes to the statistics, or products of the
-    sums' own dtype), they go into the sums batch by batch, and only the shift's share waits."""
-
-    def __init__(self, sums, products=torch.float32, hold=None):
-        self.sums, self.products, self.buf = sums, products, None
-        self.hold = holds(sums.xx.device, sums.xx.dtype, products) if hold is None else hold
-
-    def add_(self, x, y):
-        """Add tokens x (G, N, F) and y (G, N, O), centered on the shift: the first batch's mean."""
-        p, s = self.products, self.sums
-        if self.buf is None:
-            self.mx, self.my = x.mean(1, keepdim=True).to(p), y.mean(1, keepdim=True).to(p)
-            (G, _, F), O = x.shape, y.shape[2]
-            zeros = lambda *shape: torch.zeros(shape, dtype=p, device=x.device)
-            self.buf = Sums(zeros(G, F, F) if self.hold else s.xx, zeros(G, F, O) if self.hold else s.xy,
-                            zeros(G, F), zeros(G, O), zeros(G, O), zeros())    # not held: into the sums
-        self.buf.add_raw_(x.to(p) - self.mx, y.to(p) - self.my)
-        if self.buf.n >= FLUSH:
-            self.flush_()
-        return self
-
-    def flush_(self):
-        """Add what is pending to the sums; returns them."""
-        if self.buf is not None:
-            self.sums.add_shifted_(self.buf, self.mx, self.my)
-            self.buf = None
-        return self.sums
 
 
 def blocks(idx, size):
@@ -254,26 +162,26 @@ def groups(src_cfg, tgt_cfg, scope):
     raise KvtError(f"scope {scope!r} is not known; use 'head' or 'layer'")
 
 
-def add_batch(stats, split, src_kv, tgt_kv, pending, products=torch.float32):
-    """Add one batch of captured KV (capture()'s (keys, values) of source and target) to a split: plain
-    (config.plain()), Sums.add_; else the fast path, through `pending` (the caller's dict of Pending, one
-    per sums; flush(pending) completes the sums), what is pending for the other split flushed first, so
-    one split's products are held at a time. Layers of models split across devices (model.place) are
-    brought to the statistics' device."""
+def batch_features(stats, split, src_kv, tgt_kv):
+    """(sums name, x (G, N, Ls*Bx), y (G, N, Lt*By)) for K and V of one batch of captured KV (capture()'s
+    (keys, values) of source and target) in a split, on the statistics' device (layers of models split
+    across devices, model.place, are brought there)."""
     device = stats.part("k", split).xx.device
-    flush(p for name, p in pending.items() if not name.endswith(split))
     for i, kind in enumerate(KINDS):
         x = features([src_kv[i][l].to(device) for l in stats.src_layers], stats.scope)  # (G, N, Ls, Bx)
         y = features([tgt_kv[i][l].to(device) for l in stats.tgt_layers], stats.scope)  # (G, N, Lt, By)
-        name = f"{kind}.{split}"
-        if plain():
-            stats.sums[name].add_(x.flatten(2), y.flatten(2))                # (G, N, Ls*Bx), (G, N, Lt*By)
-            continue
-        pending.setdefault(name, Pending(stats.sums[name], products)).add_(x.flatten(2), y.flatten(2))
+        yield f"{kind}.{split}", x.flatten(2), y.flatten(2)
+
+
+def add_batch(stats, split, src_kv, tgt_kv, pending=None, products=None):
+    """Add one batch of captured KV to a split: Sums.add_ (float64 products). pending, products: what the
+    fast twin (fast.add_batch) holds back until a flush point, and the dtype of its products; unused here."""
+    for name, x, y in batch_features(stats, split, src_kv, tgt_kv):
+        stats.sums[name].add_(x, y)
 
 
 def flush(pending):
-    """Add every pending product to its sums."""
+    """Add what each of an adder's pending objects holds back to its sums (flush_(); fast.Pending)."""
     for p in pending:
         p.flush_()
 
@@ -292,7 +200,7 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     the order an unbroken one does: bit-identical sums. final=False leaves the complete sums unsaved (a
     caller that saves what it fits from them instead; the last checkpoint stays for it to delete), and
     deletes a checkpoint before writing the next, so the disk never holds two of them.
-    products: the dtype of the per-batch products. add, capture_target: what one batch adds and how the
+    products: the dtype of the fast adder's products. add, capture_target: what one batch adds and how the
     target's side of it is captured (default: add_batch, capture; attnfit.py passes its weighted twins).
 
     Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the

@@ -1,32 +1,26 @@
 """Each fast-path trick against the plain path, timed in one process in interleaved rounds (a warm-up round,
 then `--repeats`; medians, and the ratio per round): the figures behind tutorial section 11's list.
 
-    python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs apply_fast (tiles, rotate_into)
-    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # generate: append in place vs torch.cat, one_query_attention, torch.mv
-    python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: Pending vs Sums.add_
+    python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs fast.apply (tiles)
+    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # fast.generate vs model.generate: in place vs torch.cat, one_query_attention, torch.mv
+    python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: fast.add_batch vs stats.add_batch
     python -m tests.bench_fast stream --shape qwen3-1.7b --tokens 2048               # copy vs read-only vs the one-token step, GB/s
 
 Random weights of named shapes (apply: qwen3-0.6b -> 1.7b, k = 8; stats: tests/test_mapper_bench.py's pair,
 forward passes included, a flush's worth of batches).
 """
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
 import kvt
-from kvt import rope
+from kvt import fast, model as model_, stats
 from kvt.bench import copier, hardware, last_step_bytes, median_times, random_mapper
 from kvt.cache import Cache
 from kvt.capture import capture
 from kvt.config import Config, shape
-from kvt.stats import FLUSH, add_batch, flush, new_stats
-
-
-def plain_path(on):
-    os.environ["KVT_PLAIN"] = "1" if on else "0"
 
 
 def race(fns, repeats):
@@ -50,22 +44,15 @@ def apply_fns(scope, n, dtype):
     g = torch.Generator().manual_seed(0)
     kv = [torch.randn(1, s.n_kv_heads, n, s.head_dim, generator=g).to(dtype) for _ in range(s.n_layers)]
     cache = Cache(kv, kv, torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool), full=True)
-    fast_rotate = rope.rotate_into
 
-    def without_rotate_into():
-        rope.rotate_into = lambda x, cos, sin, out: out.copy_(rope.rotate(x, cos, sin))
-        try:
-            m.apply_fast(cache, room=1)
-        finally:
-            rope.rotate_into = fast_rotate
     def untiled():
-        tile, kvt.mapper.TILE = kvt.mapper.TILE, n      # one tile: the whole sequence
+        tile, fast.TILE = fast.TILE, n      # one tile: the whole sequence
         try:
-            m.apply_fast(cache, room=1)
+            fast.apply(m, cache, room=1)
         finally:
-            kvt.mapper.TILE = tile
-    return {"apply_fast": lambda: m.apply_fast(cache, room=1), "apply (plain)": lambda: m.apply(cache, room=1),
-            "apply_fast without rotate_into": without_rotate_into, "apply_fast in one tile": untiled}
+            fast.TILE = tile
+    return {"fast.apply": lambda: fast.apply(m, cache, room=1), "Mapper.apply (plain)": lambda: m.apply(cache),
+            "fast.apply in one tile": untiled}
 
 
 def decode_fns(name, n, steps, dtype):
@@ -73,31 +60,24 @@ def decode_fns(name, n, steps, dtype):
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     logits, cache = model(ids, last=True)
 
-    def run(plain, mv=False):
+    def run(plain, mv=False, attention=fast.attention):
         def go():
-            plain_path(plain)
             linear = torch.nn.Linear.forward
             if mv:  # one token through a weight as torch.mv (a trick kvt dropped: slower on a CPU with bf16 units)
                 torch.nn.Linear.forward = lambda self, x: (torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
                                                            if x.numel() == x.shape[-1] else linear(self, x))
             try:
-                kvt.generate(model, logits[:, -1], cache, steps)
+                if plain:
+                    model_.generate(model, logits[:, -1], cache, steps)
+                else:
+                    model_.generate(model, logits[:, -1], fast.reserve(cache, steps - 1), steps, attention=attention)
             finally:
                 torch.nn.Linear.forward = linear
-                plain_path(False)
         return go
-    def fused_attention():  # the fast path with torch's fused attention kernel for one query too
-        one_query = kvt.model.one_query_attention
-        kvt.model.one_query_attention = lambda q, k, v, mask: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-        try:
-            run(False)()
-        finally:
-            kvt.model.one_query_attention = one_query
-    return {"generate (fast: reserve, append_in_place, one_query_attention)": run(False),
-            "generate (plain: torch.cat, scaled_dot_product_attention)": run(True),
-            "generate (fast) + torch.mv for one row": run(False, mv=True),
-            "generate (fast) with scaled_dot_product_attention": fused_attention}
+    return {"fast.generate (Reserved, append_in_place, one_query_attention)": run(False),
+            "model.generate (plain: torch.cat, scaled_dot_product_attention)": run(True),
+            "fast.generate + torch.mv for one row": run(False, mv=True),
+            "fast.generate with scaled_dot_product_attention": run(False, attention=model_.attend)}
 
 
 def stats_fns(n):
@@ -107,16 +87,15 @@ def stats_fns(n):
     source, target = kvt.build_model(src, seed=0), kvt.build_model(tgt, seed=1)
     ids = torch.randint(0, 32000, (1, n), generator=torch.Generator().manual_seed(0))
 
-    def stream(plain):
+    def stream(add):
         def go():
-            plain_path(plain)
-            st, pending = new_stats(src, tgt, "head"), {}
-            for _ in range(max(1, FLUSH // n)):
-                add_batch(st, "fit", capture(source, ids), capture(target, ids), pending)
-            flush(pending.values())
-            plain_path(False)
+            st, pending = stats.new_stats(src, tgt, "head"), {}
+            for _ in range(max(1, fast.FLUSH // n)):
+                add(st, "fit", capture(source, ids), capture(target, ids), pending)
+            stats.flush(pending.values())
         return go
-    return {"statistics (fast: Pending)": stream(False), "statistics (plain: Sums.add_)": stream(True)}
+    return {"statistics (fast.add_batch: Pending)": stream(fast.add_batch),
+            "statistics (stats.add_batch: Sums.add_)": stream(stats.add_batch)}
 
 
 def stream(name, n, dtype, repeats):
@@ -127,13 +106,13 @@ def stream(name, n, dtype, repeats):
     model = kvt.build_model(name, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     _, cache = model(ids[:, :-1], last=True)
-    cache = cache.reserve(1)
+    cache = fast.reserve(cache, 1)
     copy, copy_bytes = copier("cpu")
     weights = list(model.parameters())
     fns = {"copy (read + write)": (copy, copy_bytes),
            "read every weight (sum)": (lambda: [w.sum() for w in weights], sum(w.nbytes for w in weights)),
            "one-token step": (lambda: model(ids[:, -1:], cache=cache),
-                              last_step_bytes(model.config, n, weights[0].element_size()))}
+                              last_step_bytes(model.config, n, weights[0].element_size()))}  # (plain attention)
     timings = median_times([fn for fn, _ in fns.values()], "cpu", repeats)
     print("| what | GB/s (min-max) |\n|---|---|")
     for (what, (_, nbytes)), timing in zip(fns.items(), timings):

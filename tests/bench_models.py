@@ -7,7 +7,7 @@
 Both models get identical weights (transformers' modules carry the checkpoint's names, and so do
 kvt's) and the same input. Prefill: each model reads the whole context (logits for every position,
 as transformers computes them). Decode: from each model's own cache of the context, `--decode` greedy
-tokens, kvt through kvt.generate, transformers through the same loop written on its forward (argmax,
+tokens, kvt through fast.generate (kvt's decoding, its fast twin), transformers through the same loop written on its forward (argmax,
 feed back, its DynamicCache); the cache is rebuilt before each run, untimed. Every measurement is a
 warm-up run, then `--repeats` timed runs alternating between the two; the table gives the medians,
 min and max, and the ratio transformers / kvt (above 1: kvt is faster) twice: of the medians, and per
@@ -23,7 +23,7 @@ from torch.profiler import profile
 
 import kvt
 from kvt.bench import Timing, hardware, per_round
-from kvt.cache import keep_freed_memory
+from kvt.fast import generate, keep_freed_memory
 
 
 def timed(fn):
@@ -131,7 +131,7 @@ def main():
                 def hf_state():
                     out = ref(ids, use_cache=True)
                     return out.logits, out.cache
-                k, h = race(lambda s: kvt.generate(ours, s[0][:, -1], s[1], args.decode),
+                k, h = race(lambda s: generate(ours, s[0][:, -1], s[1], args.decode),
                             lambda s: hf_decode(ref, s[0], s[1], steps), args.repeats,
                             kvt_setup=lambda: ours(ids, last=True), hf_setup=hf_state)
                 print(row(f"decode {args.decode}", name, T, k, h), flush=True)

@@ -147,9 +147,6 @@ class Steps:
     def __init__(self, n):
         self.n = n
 
-    def reserve(self, room):
-        return self
-
 
 class Script(torch.nn.Module):
     """A model that emits `tokens`, one a step, whatever it reads (each row of a batch the same)."""
@@ -158,7 +155,7 @@ class Script(torch.nn.Module):
         self.tokens, self.vocab = tokens, vocab
         self.anchor = torch.nn.Parameter(torch.zeros(1))               # where evals looks for the device
 
-    def forward(self, ids, cache=None, mask=None, last=False):
+    def forward(self, ids, cache=None, mask=None, last=False, attention=None):
         n = 0 if cache is None else cache.n + 1
         logits = torch.full((ids.shape[0], 1, self.vocab), -30.0)
         logits[:, :, self.tokens[min(n, len(self.tokens) - 1)]] = 0.0
@@ -175,7 +172,8 @@ def test_text_after_an_end_token_never_reaches_the_gsm8k_filter(hub_cache):
     model = Script(answer, 151936)
     items = [T.Item(str(i), f"Q: What is 3 + {i}?\nA:", "5", floor="A:", until=T.GSM8K_UNTIL) for i in range(3)]
     for size in (1, 3):
-        recs = list(E.evaluate("gsm8k", items, tok, {"target": E.Condition(model)}, progress=False, batch_size=size))
+        recs = list(E.evaluate("gsm8k", items, tok, {"target": E.Condition(model, plain=True)}, progress=False,
+                                batch_size=size))
         for r in recs:
             assert r["output"] == " 3 + 2 = 5. The answer is 5." and r["flexible"] == "5." and r["em_flexible"] == 1.0, r
 

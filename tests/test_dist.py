@@ -12,7 +12,7 @@ from conftest import calib_of, tiny_config
 from torch.overrides import TorchFunctionMode
 
 import kvt
-from kvt import dist
+from kvt import dist, fast
 from kvt.bench import random_mapper
 from kvt.handoff import handoff
 from kvt.mapper import calibrate, load_mapper, save_mapper
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 IDS = calib_of(torch.randint(0, 128, (18, 24), generator=torch.Generator().manual_seed(0)))  # 14 fit + 2 val: 8 batches of 2
 SEEN = len(IDS.fit) + len(IDS.val)
-FP32 = 1e-6  # 2 processes vs 1: each rank holds its own batches' float32 products (stats.Pending), so the
+FP32 = 1e-6  # 2 processes vs 1: each rank holds its own batches' float32 products (fast.Pending), so the
              # sums agree to float32 rounding (2e-7 here), not bit for bit; a rank counted twice or lost is O(1)
 
 
@@ -61,7 +61,7 @@ def worker(rank, world, port, tmp, phase, src, tgt):
     try:
         if phase == "calibrate":
             mapper, _ = calibrate(src, tgt, IDS, scope="layer", k=2, batch_size=2, checkpoint=f"{tmp}/two",
-                                  progress=False)
+                                  progress=False, add=fast.add_batch)
             save_mapper(mapper, f"{tmp}/two.rank{rank}.safetensors")
             everything = dist.gather(dist.shard(list(range(7))))
             if rank == 0:
@@ -71,13 +71,13 @@ def worker(rank, world, port, tmp, phase, src, tgt):
                 assert everything is None
             try:  # every rank dies at its third batch (round 2): rounds 0 and 1 are checkpointed
                 accumulate(DiesAfter(src, 2), tgt, IDS, new_stats(src.config, tgt.config, "head"), 2,
-                           f"{tmp}/resumed.safetensors", every=1, save_s=0, progress=False)
+                           f"{tmp}/resumed.safetensors", every=1, save_s=0, progress=False, add=fast.add_batch)
             except Interrupted:
                 pass
         else:  # fresh processes: resume the interrupted run, and run it again unbroken
             for name in ("resumed", "whole"):
                 accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, f"{tmp}/{name}.safetensors",
-                           every=1, save_s=0, progress=False)
+                           every=1, save_s=0, progress=False, add=fast.add_batch)
     finally:
         dist.close()
 
@@ -107,7 +107,8 @@ def two_processes(tmp_path_factory):
 
 def test_two_processes_calibrate_the_same_mapper_as_one(two_processes, tmp_path):
     src, tgt = pair()
-    one, _ = calibrate(src, tgt, IDS, scope="layer", k=2, batch_size=2, checkpoint=tmp_path / "one", progress=False)
+    one, _ = calibrate(src, tgt, IDS, scope="layer", k=2, batch_size=2, checkpoint=tmp_path / "one", progress=False,
+                       add=fast.add_batch)
     pass2 = next(tmp_path.glob("one.pass2-*")).name.removeprefix("one.")
     for p in ("pass1", pass2):                                         # the statistics of both passes
         a, b = load_stats(two_processes / f"two.{p}"), load_stats(tmp_path / f"one.{p}")
@@ -130,12 +131,13 @@ def test_interrupted_two_process_run_resumes_exactly(two_processes, tmp_path):
     resumed, whole = (load_stats(two_processes / f"{n}.safetensors") for n in ("resumed", "whole"))
     assert resumed.seen == whole.seen == SEEN
     assert max_diff(resumed, whole) == 0, "resumed 2-process statistics differ from an unbroken 2-process run"
-    one = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, progress=False)
+    one = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, progress=False, add=fast.add_batch)
     assert max_diff(resumed, one) < FP32, f"2 processes vs 1: relative difference {max_diff(resumed, one):.1e}"
     # the checkpoint holds totals and a resume point, so one process can finish what two began
     path = tmp_path / "s.safetensors"
     shutil.copy(two_processes / "interrupted.safetensors", path)
-    finished = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, path, every=1, save_s=0, progress=False)
+    finished = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, path, every=1, save_s=0,
+                          progress=False, add=fast.add_batch)
     assert max_diff(finished, one) < FP32
 
 
@@ -177,7 +179,7 @@ def test_split_across_cpu_and_meta_keeps_each_layer_with_its_kv():
     src, tgt, mapper = four_layer_pair()
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
     _, whole = src(ids)
-    unsplit = mapper.apply_fast(whole)
+    unsplit = fast.apply(mapper, whole)
     for m in (src, tgt):
         place(m, ["cpu", "meta"])
         assert [d.type for d in layer_devices(m)] == ["cpu", "cpu", "meta", "meta"]
@@ -188,7 +190,7 @@ def test_split_across_cpu_and_meta_keeps_each_layer_with_its_kv():
     plain = placed.apply(cache)
     assert [k.device.type for k in plain.keys] == [v.device.type for v in plain.values] == ["cpu", "cpu", "meta", "meta"]
     with Moves() as log:
-        mapped = placed.apply_fast(cache)
+        mapped = fast.apply(placed, cache)
     assert [k.device.type for k in mapped.keys] == ["cpu", "cpu", "meta", "meta"]
     assert [v.device.type for v in mapped.values] == ["cpu", "cpu", "meta", "meta"]
     assert mapped.positions.device.type == mapped.mask.device.type == "cpu"   # beside the target's embedding

@@ -1,6 +1,7 @@
-"""Every fast twin equals its plain function: rope.rotate_into, Mapper.apply_fast, Sums.add_fast_ and the
-streamed statistics (Pending), the in-place cache update (cache.append_in_place through reserve), and the
-whole handoff and generate with KVT_PLAIN=1 against the default.
+"""Every fast twin of kvt/fast.py equals its plain function: fast.apply (Mapper.apply), fast.add_fast_
+(Sums.add_) and the streamed statistics (fast.add_batch, Pending; stats.add_batch), the in-place cache
+update (fast.Reserved through reserve; Cache.update), fast.one_query_attention (model.attend), and the
+whole handoff and generate on both paths.
 
 Random inputs of several shapes, dtypes, scopes, batch sizes and left padding. "Equal" is within a
 tolerance set by the dtype, relative to the largest magnitude compared (TOL): the two paths round in
@@ -10,8 +11,7 @@ import pytest
 import torch
 
 import kvt
-from kvt import mapper as mapper_module
-from kvt import rope, stats
+from kvt import fast, model, stats
 from kvt.bench import random_mapper
 from kvt.cache import Cache
 from kvt.handoff import take_over
@@ -37,22 +37,6 @@ def assert_same_cache(fast, plain, dtype, what):
     assert torch.equal(fast.positions, plain.positions) and torch.equal(fast.mask, plain.mask), what
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,H,T,D", [(1, 2, 7, 16), (3, 4, 5, 32)])
-def test_rotate_into_equals_rotate(dtype, B, H, T, D):
-    """rotate_into writes rotate's result into a strided cache slice. Guards: a sign flipped in one
-    half (out[:D/2] += x2 * sin instead of -=), or the slots past T written."""
-    g = torch.Generator().manual_seed(B * T)
-    x = torch.randn(B, H, T, D, generator=g).to(dtype)
-    pos = torch.randint(0, 5000, (B, T), generator=g)
-    inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2).float() / D)
-    cos, sin = rope.cos_sin(pos, inv, 1.3, dtype)
-    buf = torch.zeros(B, H, T + 3, D, dtype=dtype)                            # a cache with 3 free slots
-    rope.rotate_into(x, cos, sin, out=buf[:, :, :T])
-    assert_equal_within(buf[:, :, :T], rope.rotate(x, cos, sin), dtype, "rotate_into")
-    assert not buf[:, :, T:].any(), "rotate_into wrote past its slice"
-
-
 def source_cache(cfg, B, T, dtype, pad=0, seed=0):
     """A random post-RoPE cache of B rows, the first `pad` slots of row 0 left padding."""
     g = torch.Generator().manual_seed(seed)
@@ -73,28 +57,29 @@ PAIRS = {"head": (tiny_config("qwen3", n_layers=3), tiny_config("llama", n_layer
 @pytest.mark.parametrize("B,T,pad", [(1, 9, 0), (2, 40, 5)])
 @pytest.mark.parametrize("tile", [256, 17])
 def test_apply_fast_equals_apply(scope, dtype, B, T, pad, tile, monkeypatch):
-    """apply_fast and apply give the same cache (mapper and cache in `dtype`, biases non-zero, keys moved
-    to other positions), whole or, in head scope (By = 16 < TILE), in tiles of 17 tokens (mapper.TILE).
+    """fast.apply and Mapper.apply give the same cache (mapper and cache in `dtype`, biases non-zero, keys
+    moved to other positions), whole or, in head scope (By = 16 < TILE), in tiles of 17 tokens (fast.TILE).
     Guards: the fast map without its
     bias, a selected layer's features put in another's place in the gathered buffer, the target's RoPE
     left out, a tile of the second sequence read from the first's tokens, or a short last tile dropped."""
-    monkeypatch.setattr(mapper_module, "TILE", tile)
+    monkeypatch.setattr(fast, "TILE", tile)
     src, tgt = PAIRS[scope]
     mapper = random_mapper(src, tgt, scope, k=2, dtype=dtype, bias=0.5)
     cache = source_cache(src, B, T, dtype, pad)
     moved = cache.positions + 11
+    plain = mapper.apply(cache)
     for room in (0, 1):
-        fast, plain = mapper.apply_fast(cache, room=room), mapper.apply(cache, room=room)
-        assert_same_cache(fast, plain, dtype, f"{scope}, B={B}, room {room}")
-        assert fast.room == room and fast.keys[0].dtype == dtype
-    assert_same_cache(mapper.apply_fast(cache, positions=moved), mapper.apply(cache, positions=moved), dtype, "moved")
+        quick = fast.apply(mapper, cache, room=room)
+        assert_same_cache(quick, plain, dtype, f"{scope}, B={B}, room {room}")
+        assert quick.room == room and quick.keys[0].dtype == dtype
+    assert_same_cache(fast.apply(mapper, cache, positions=moved), mapper.apply(cache, positions=moved), dtype, "moved")
 
 
 @pytest.mark.parametrize("mode", ["replace", "residual"])
 def test_apply_fast_with_an_mlp_equals_apply(mode, monkeypatch):
     """The MLP backstop goes through the same map_layer on both paths, the fast one in tiles of 17 tokens.
     Guards: the fast path dropping it."""
-    monkeypatch.setattr(mapper_module, "TILE", 17)
+    monkeypatch.setattr(fast, "TILE", 17)
     src, tgt = PAIRS["head"]
     mapper = random_mapper(src, tgt, "head", k=2, bias=0.5)
     G, D, k = src.n_kv_heads, src.head_dim, 2
@@ -105,7 +90,7 @@ def test_apply_fast_with_an_mlp_equals_apply(mode, monkeypatch):
                          "w1": torch.randn(tgt.n_layers, 8, G * D, generator=g) * 0.1,
                          "b1": torch.zeros(tgt.n_layers, G * D)} for kind in "kv"}
     cache = source_cache(src, 2, 40, torch.float32)
-    assert_same_cache(mapper.apply_fast(cache), mapper.apply(cache), torch.float32, f"mlp {mode}")
+    assert_same_cache(fast.apply(mapper, cache), mapper.apply(cache), torch.float32, f"mlp {mode}")
 
 
 def test_bf16_map_accumulates_in_float32():
@@ -123,8 +108,8 @@ def test_bf16_map_accumulates_in_float32():
     kv = torch.randn(1, src.n_kv_heads, 64, D, generator=g).to(torch.bfloat16)
     cache = Cache([kv] * src.n_layers, [kv] * src.n_layers, torch.arange(64)[None], torch.ones(1, 64, dtype=torch.bool))
     exact = mapper.to(dtype=torch.float64).apply(cache.to(dtype=torch.float64))
-    for name, apply in (("apply", mapper.apply), ("apply_fast", mapper.apply_fast)):
-        assert_same_cache(apply(cache), exact, torch.bfloat16, f"{name} against the float64 map")
+    for name, mapped in (("Mapper.apply", mapper.apply(cache)), ("fast.apply", fast.apply(mapper, cache))):
+        assert_same_cache(mapped, exact, torch.bfloat16, f"{name} against the float64 map")
     # the rounding this guards against: y = round(round(x1 W1) + x2 W2), for the values of target layer 0
     x = kv[0]                                                                # (Hkv, T, D) = features (G, N, D)
     W = mapper.W["v"][0]
@@ -135,17 +120,17 @@ def test_bf16_map_accumulates_in_float32():
 
 @pytest.mark.parametrize("G,N,F,O", [(2, 50, 7, 3), (1, 600, 300, 5)])
 def test_add_fast_equals_add(G, N, F, O):
-    """Sums.add_fast_ (centered float32 products, upper part of xx) and add_ (float64 products) give the
+    """fast.add_fast_ (centered float32 products, upper part of xx) and Sums.add_ (float64 products) give the
     same sums as gram() and the fit read them, on features with a large mean. Guards: a chunk of xx's
     upper part skipped (the last of CHUNK rows when F = 300)."""
     g = torch.Generator().manual_seed(F)
     x = torch.randn(G, N, F, generator=g, dtype=torch.float64) * 3 + 50
     y = x[..., :O] * 2 + torch.randn(G, N, O, generator=g, dtype=torch.float64)
     plain = Sums.zeros(G, F, O).add_(x[:, :N // 2], y[:, :N // 2]).add_(x[:, N // 2:], y[:, N // 2:])
-    fast = Sums.zeros(G, F, O).add_fast_(x[:, :N // 2], y[:, :N // 2]).add_fast_(x[:, N // 2:], y[:, N // 2:])
-    assert_equal_within(fast.gram(), plain.gram(), torch.float32, "gram")
+    quick = fast.add_fast_(fast.add_fast_(Sums.zeros(G, F, O), x[:, :N // 2], y[:, :N // 2]), x[:, N // 2:], y[:, N // 2:])
+    assert_equal_within(quick.gram(), plain.gram(), torch.float32, "gram")
     for f in ("xy", "sx", "sy", "syy", "n"):
-        assert_equal_within(getattr(fast, f), getattr(plain, f), torch.float32, f)
+        assert_equal_within(getattr(quick, f), getattr(plain, f), torch.float32, f)
 
 
 @pytest.fixture(scope="module")
@@ -154,29 +139,28 @@ def pair():
     return src, kvt.build_model(tiny_config("llama", n_layers=4), seed=1)
 
 
-def test_streamed_statistics_fast_equal_plain(pair, monkeypatch):
-    """accumulate through Pending (the fast path) and through Sums.add_ (KVT_PLAIN=1) give the same sums.
-    Guards: pending products flushed twice (Pending.flush_ not clearing what it added)."""
+def test_streamed_statistics_fast_equal_plain(pair):
+    """accumulate through fast.add_batch (Pending) and through stats.add_batch (Sums.add_) give the same
+    sums. Guards: pending products flushed twice (Pending.flush_ not clearing what it added)."""
     from tests.conftest import calib_of
     source, target = pair
     calib = calib_of(torch.randint(0, 128, (8, 20), generator=torch.Generator().manual_seed(2)))
-    run = lambda: stats.accumulate(source, target, calib, stats.new_stats(source.config, target.config, "head"),  # noqa: E731
-                                   batch_size=2, progress=False)
-    fast = run()
-    monkeypatch.setenv("KVT_PLAIN", "1")
-    plain = run()
+    run = lambda add: stats.accumulate(source, target, calib, stats.new_stats(source.config, target.config, "head"),  # noqa: E731
+                                       batch_size=2, progress=False, add=add)
+    quick, plain = run(fast.add_batch), run(stats.add_batch)
     for name in plain.sums:
-        assert_equal_within(fast.sums[name].gram(), plain.sums[name].gram(), torch.float32, f"{name}.xx")
+        assert_equal_within(quick.sums[name].gram(), plain.sums[name].gram(), torch.float32, f"{name}.xx")
         for f in ("xy", "sx", "sy", "syy", "n"):
-            assert_equal_within(getattr(fast.sums[name], f), getattr(plain.sums[name], f), torch.float32, f"{name}.{f}")
+            assert_equal_within(getattr(quick.sums[name], f), getattr(plain.sums[name], f), torch.float32, f"{name}.{f}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scope", ["head", "layer"])
-def test_handoff_and_generate_plain_equal_fast(pair, monkeypatch, dtype, scope):
-    """The target's side of a handoff (mapper.apply_fast, room for the last token appended in place) and
-    greedy decoding (a reserved cache appended in place) equal the plain path's (apply, concatenation),
-    batch 2 with left padding. Guards: append_in_place writing the new slot over the last cached one."""
+def test_handoff_and_generate_plain_equal_fast(pair, dtype, scope):
+    """The target's side of a handoff (fast.apply, room for the last token appended in place) and greedy
+    decoding (fast.generate: a reserved cache appended in place) equal the plain path's (Mapper.apply,
+    Cache.update's concatenation, model.generate), batch 2 with left padding. Guards: append_in_place
+    writing the new slot over the last cached one."""
     source, target = (m.to(dtype) for m in pair)
     mapper = random_mapper(source.config, target.config, scope, k=2, dtype=dtype, bias=0.1)
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(4))
@@ -184,22 +168,21 @@ def test_handoff_and_generate_plain_equal_fast(pair, monkeypatch, dtype, scope):
     mask[1, :3] = False
     _, src_cache = source(ids[:, :-1], mask=mask[:, :-1], last=True)
     results = {}
-    for path in ("fast", "plain"):
-        monkeypatch.setenv("KVT_PLAIN", "1" if path == "plain" else "0")
-        logits, cache = take_over(target, mapper, src_cache, ids[:, -1:], mask[:, -1:])
-        tokens = kvt.generate(target, logits[:, -1], cache, 6)
+    for path, generate in (("fast", fast.generate), ("plain", model.generate)):
+        logits, cache = take_over(target, mapper, src_cache, ids[:, -1:], mask[:, -1:], plain=path == "plain")
+        tokens = generate(target, logits[:, -1], cache, 6)
         results[path] = logits, cache, tokens
     (lf, cf, tf), (lp, cp, tp) = results["fast"], results["plain"]
     assert_equal_within(lf, lp, dtype, "last-token logits")
     assert_same_cache(cf, cp, dtype, "handed-over cache")
-    assert cf.room == 0 and cp.room == 0
+    assert cf.room == 0 and type(cp) is Cache
     if dtype == torch.float32:                        # bf16's rounding may tip a near-tie argmax
         assert tf == tp, f"greedy tokens differ: {tf} vs {tp}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_one_query_attention_equals_sdpa(dtype):
-    """model.one_query_attention (one bf16/fp16 query on a CPU, in float32) equals float32
+    """fast.one_query_attention (one bf16/fp16 query on a CPU, in float32) equals float32
     scaled_dot_product_attention within a rounding of dtype: 8 query heads over 2 KV heads, a batch of 2
     whose second row masks its first 5 slots. Guards: query head h paired with KV head h % Hkv instead of
     h // (H / Hkv), the mask ignored, or the 1/sqrt(D) scale left out."""
@@ -208,6 +191,6 @@ def test_one_query_attention_equals_sdpa(dtype):
     mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
     mask[1, ..., :5] = False
     exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    fast = kvt.model.one_query_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
-    assert fast.dtype == dtype
-    assert_equal_within(fast, exact, torch.bfloat16, f"one_query_attention ({dtype})")
+    quick = fast.one_query_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    assert quick.dtype == dtype
+    assert_equal_within(quick, exact, torch.bfloat16, f"one_query_attention ({dtype})")

@@ -5,7 +5,7 @@
    same batch, at most +20%.
    The pair keeps the real qwen3-0.6b -> 1.7b ratio of statistics FLOPs to forward FLOPs (about 18%)
    at a size a laptop runs: Hkv*D = dim for the source, D = 128, 14 layers each, 32K vocabulary.
-2. Apply (the fast path, Mapper.apply_fast): a head-scope mapper (k = 8) on n = 4,096 tokens vs this
+2. Apply (the fast path, fast.apply): a head-scope mapper (k = 8) on n = 4,096 tokens vs this
    machine's fp32 matmul throughput.
 
 On a machine shared with other jobs, run with OMP_NUM_THREADS=1: threads waiting on a busy core make
@@ -21,7 +21,9 @@ from kvt.cache import Cache
 from kvt.capture import capture
 from kvt.config import Config
 from kvt.mapper import Mapper
-from kvt.stats import FLUSH, add_batch, flush, new_stats
+from kvt import fast
+from kvt.fast import FLUSH, add_batch
+from kvt.stats import flush, new_stats
 
 pytestmark = pytest.mark.slow
 ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
@@ -75,7 +77,7 @@ def test_apply_throughput_vs_matmul():
     pos = torch.arange(n)[None]
     cache = Cache(kv, kv, pos, torch.ones(1, n, dtype=torch.bool))
     flops = 2 * n * 2 * TGT.n_layers * G * k * D * D                         # K and V, every target layer
-    apply_s = median_time(lambda: mapper.apply_fast(cache))
+    apply_s = median_time(lambda: fast.apply(mapper, cache))
     a, w = torch.randn(n, 1024), torch.randn(1024, 1024)
     mm_s = median_time(lambda: a @ w, repeats=5)
     x = torch.randn(G, n, k * D)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import kvt
 from kvt.config import KvtError, config_from_dict, parse_pair, check_matched_kv, shape
+from kvt.fast import reserve
 from tests.conftest import tiny_config
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -246,7 +247,7 @@ def test_a_prefill_cache_keeps_each_heads_slots_together():
 
 
 def test_decode_appends_in_place_into_owned_room_and_never_into_views():
-    """Decoding from a reserved cache writes each step's K and V into its buffer (no copy of the T slots
+    """Decoding from a reserved cache (fast.reserve, fast.Reserved) writes each step's K and V into its buffer (no copy of the T slots
     before it), one token at a time gives the logits of one prefill, and a view (crop, expand) is never
     written into. Guards: concatenating at every step (O(T) copies per token), an in-place write into
     storage a crop or expand shares with another cache, and a decode step that needs an attention
@@ -255,7 +256,7 @@ def test_decode_appends_in_place_into_owned_room_and_never_into_views():
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     want, whole = model(ids)
     _, cache = model(ids[:, :6])
-    owned = cache.reserve(6)
+    owned = reserve(cache, 6)
     buffer = owned.keys[0].data_ptr()
     for t in range(6, 12):
         logits, owned = model(ids[:, t:t + 1], cache=owned)
@@ -270,13 +271,13 @@ def test_decode_appends_in_place_into_owned_room_and_never_into_views():
     padded, pmask = torch.cat([torch.zeros(2, 3, dtype=torch.long), ids[:, :6]], 1), torch.ones(2, 9, dtype=torch.bool)
     pmask[:, :3] = False                                           # left padding: decode must keep masking it
     _, pc = model(padded, mask=pmask)
-    logits, _ = model(ids[:, 6:7], cache=pc.reserve(1))
+    logits, _ = model(ids[:, 6:7], cache=reserve(pc, 1))
     assert_close(logits[:, -1], want[:, 6], "a step after left padding")
 
 
 FAULTS = """
 import resource, sys, torch
-from kvt.cache import keep_freed_memory
+from kvt.fast import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 faults = []

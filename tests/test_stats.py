@@ -9,7 +9,9 @@ from kvt.capture import capture, features
 from kvt.config import KvtError, shape
 from kvt.data import Calibration
 from kvt.mapper import calibrate
-from kvt.stats import FIELDS, Pending, Sums, accumulate, add_batch, load_stats, memory_plan, new_stats, save_stats
+from kvt import fast
+from kvt.fast import Pending
+from kvt.stats import FIELDS, Sums, accumulate, load_stats, memory_plan, new_stats, save_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,18 +68,19 @@ class DiesAfter:
 
 
 def test_resume_is_bit_identical(pair, tmp_path):
-    """Guards: a checkpoint that misses products still pending (Pending), and a resumed run that adds its
-    pending products to the sums at other points than an unbroken run (with the same `every`)."""
+    """Through the fast adder (fast.add_batch). Guards: a checkpoint that misses products still pending
+    (Pending), and a resumed run that adds its pending products to the sums at other points than an
+    unbroken run (with the same `every`)."""
     src, tgt, calib = pair
     whole = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), batch_size=2, every=2,
-                       progress=False)
+                       progress=False, add=fast.add_batch)
     path = tmp_path / "stats.safetensors"
     with pytest.raises(Interrupted):
         accumulate(DiesAfter(src, 3), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2, save_s=0,
-                   progress=False)
+                   progress=False, add=fast.add_batch)
     assert load_stats(path).seen == 4                                        # two rounds of a batch of two
     resumed = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2, save_s=0,
-                         progress=False)
+                         progress=False, add=fast.add_batch)
     assert resumed.seen == len(calib.fit) + len(calib.val) and all_equal(resumed, whole)
     assert all_equal(load_stats(path), whole)
 
@@ -155,7 +158,7 @@ def test_memory_plan_matches_allocated_statistics(pair):
     src, tgt, calib = pair
     for scope in ("head", "layer"):
         stats, pending, ids = new_stats(src.config, tgt.config, scope), {}, calib.fit[:1]
-        add_batch(stats, "fit", capture(src, ids), capture(tgt, ids), pending)        # float32 products held
+        fast.add_batch(stats, "fit", capture(src, ids), capture(tgt, ids), pending)   # float32 products held
         allocated = sum(t.numel() * t.element_size() for s in stats.sums.values() for t in s.tensors())
         allocated += sum(t.numel() * t.element_size() for p in pending.values() for t in p.buf.tensors())
         _, planned = memory_plan(src.config, tgt.config, scope, k=8, batch_tokens=0)[-1]  # the pass for this scope
@@ -184,11 +187,11 @@ def test_head_scope_refuses_mismatched_kv(pair):
 def test_upper_part_of_the_gram_spans_chunks():
     """The fast path accumulates xx as its upper part in chunks of CHUNK features; gram() and select()
     restore it."""
-    from kvt.stats import CHUNK
+    from kvt.fast import CHUNK, add_fast_
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 300, 2 * CHUNK + 76, generator=g, dtype=torch.float64)
     s = Sums.zeros(2, x.shape[2], 3)
-    s.add_fast_(x[:, :100], x[:, :100, :3], torch.float64).add_fast_(x[:, 100:], x[:, 100:, :3], torch.float64)
+    add_fast_(add_fast_(s, x[:, :100], x[:, :100, :3], torch.float64), x[:, 100:], x[:, 100:, :3], torch.float64)
     full = x.transpose(1, 2) @ x
     assert ((s.gram() - full).abs().max() <= 1e-10 * full.abs().max()), "gram() differs from x^T x"
     fi = torch.tensor([3, CHUNK - 1, CHUNK + 5, 2 * CHUNK + 70])                # crosses chunk boundaries
@@ -197,22 +200,25 @@ def test_upper_part_of_the_gram_spans_chunks():
 
 def test_float32_products_stay_close_to_float64(pair):
     src, tgt, calib = pair
-    exact = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), progress=False, products=torch.float64)
-    fast = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), progress=False, products=torch.float32)
+    run = lambda products: accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), progress=False,  # noqa: E731
+                                      products=products, add=fast.add_batch)
+    exact, quick = run(torch.float64), run(torch.float32)
     for name in exact.sums:
         for f in ("xx", "xy"):
-            a, b = getattr(fast.sums[name], f), getattr(exact.sums[name], f)
+            a, b = getattr(quick.sums[name], f), getattr(exact.sums[name], f)
             err = (a - b).abs().max().item() / b.abs().max().item()
             assert err < 1e-6, f"{name}.{f}: relative error {err:.1e} with float32 products"
 
 
 def test_products_not_held_give_the_held_statistics(pair, monkeypatch):
-    """As on a GPU (stats.holds false): float32 products go into the float64 sums batch by batch and only
-    the shift's share waits for the flush. Guards: that path adding the shift's share twice, or never."""
+    """As on a GPU (holds false): float32 products go into the float64 sums batch by batch and only the
+    shift's share waits for the flush. Guards: that path adding the shift's share twice, or never."""
     src, tgt, calib = pair
-    held = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, every=2, progress=False)
-    monkeypatch.setattr(stats, "holds", lambda *args: False)
-    direct = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, every=2, progress=False)
+    run = lambda: accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, every=2,  # noqa: E731
+                             progress=False, add=fast.add_batch)
+    held = run()
+    monkeypatch.setattr(fast, "holds", lambda *args: False)
+    direct = run()
     for name in held.sums:
         for f in FIELDS:
             a, b = getattr(direct.sums[name], f), getattr(held.sums[name], f)
@@ -221,7 +227,7 @@ def test_products_not_held_give_the_held_statistics(pair, monkeypatch):
 
 def test_float32_products_keep_float64_accuracy_on_features_with_a_large_mean():
     """Features with mean 100 and std 1: the ridge fit from float32 products is as accurate as from
-    float64 ones, batch by batch (Sums.add_fast_) and streamed (Pending: several batches on one shift, here
+    float64 ones, batch by batch (fast.add_fast_) and streamed (Pending: several batches on one shift, here
     drifting away from it). Guards: float32 products of uncentered features (their mean swamps their
     spread: a W error of 3.6e-2 against 1e-3), and a wrong correction for the shift."""
     from kvt import ridge
@@ -240,7 +246,7 @@ def test_float32_products_keep_float64_accuracy_on_features_with_a_large_mean():
             if products == "pending":                                       # the mean drifts by 1 a batch,
                 pending.add_(x.float() + i, (y + i * W.sum(1)).float())    # away from the first batch's
             else:
-                s.add_fast_(x.float(), y.float(), products)
+                fast.add_fast_(s, x.float(), y.float(), products)
         errs[products] = (ridge.solve(pending.flush_(), 1e-9)[0] - W).abs().max().item()
     assert errs[torch.float64] < 3e-3, errs
     assert errs[torch.float32] < 1.5 * errs[torch.float64] and errs["pending"] < 1.5 * errs[torch.float64], errs

@@ -1,0 +1,308 @@
+"""The fast path: every speed trick kvt keeps, in one file after the method's stages.
+
+Each function here is the twin of a plain function a student reads in the tutorial, with the same
+result within the dtype's tolerance (tests/test_fast.py), and is kept only while it saves at least 5%
+of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
+
+    plain (what the tutorial teaches)          fast twin (here)
+    cache.Cache.update (torch.cat)             Reserved.update: appended in place into owned free slots
+    model.attend (torch's fused kernel)        attention: one bf16/fp16 query on a CPU in float32 matmuls
+    model.generate                             generate: one Reserved copy, then appends in place
+    stats.add_batch (Sums.add_, float64)       add_batch: centered float32 products, upper part, Pending
+    Mapper.apply / Mapper.map_layer            apply / map_layer: tiles, one GEMM with the bias, in place
+    (glibc's default malloc)                   keep_freed_memory: a freed cache's memory kept for the next
+
+Which path runs is the caller's explicit choice: run.py, kvt bench and the other commands take these
+twins unless --plain (or KVT_PLAIN=1 in the environment, read by the entry points only); a library
+caller passes them (`calibrate(..., add=fast.add_batch)`, `handoff(..., fast=True)`).
+"""
+import ctypes
+from dataclasses import dataclass, fields
+
+import torch
+
+from kvt import model as model_
+from kvt import rope
+from kvt.cache import Cache
+from kvt.capture import layer_features, unfeatures
+from kvt.stats import KINDS, Sums, batch_features, flush, groups, holds
+
+# ---- the cache: appended in place (gpt-fast's k_out[:, :, input_pos] = k_val) --------------------------
+
+
+@dataclass
+class Reserved(Cache):
+    """A Cache that owns `room` free slots per layer after its T: a step of t <= room tokens writes its
+    keys and values there in place, where Cache.update's torch.cat copies all T slots at every step.
+    Used once: continue from the cache each step returns (generate does), since a second step from the
+    same one would write into the same free slots. select, expand, crop and to return plain Caches."""
+    room: int = 0
+
+    def grow(self, positions, mask, full):
+        t = positions.shape[1] - len(self)                      # this step's new slots
+        new = super().grow(positions, mask, full)
+        if t > self.room:                                       # no room for them: the plain update
+            return Cache(**{f.name: getattr(new, f.name) for f in fields(Cache)})
+        new.room = self.room - t
+        return new
+
+    def update(self, l, k, v, slots=None):
+        if slots is not None:
+            return super().update(l, k, v, slots)
+        self.keys[l], self.values[l] = append_in_place(self.keys[l], k), append_in_place(self.values[l], v)
+        return self.keys[l], self.values[l]
+
+
+def reserve(cache, n):
+    """A copy of cache (a Reserved) whose every layer owns room for n more slots."""
+    def grow(t):                                                   # (B, Hkv, T, D) -> view of (B, Hkv, T + n, D)
+        buf = t.new_empty(t.shape[0], t.shape[1], t.shape[2] + n, t.shape[3])
+        buf[:, :, :t.shape[2]] = t
+        return buf[:, :, :t.shape[2]]
+    return Reserved([grow(k) for k in cache.keys], [grow(v) for v in cache.values], cache.positions, cache.mask,
+                    full=cache.full, room=n)
+
+
+def append_in_place(past, new):
+    """past (B, Hkv, T, D) followed by new (B, Hkv, t, D), written into past's buffer, which must own room
+    for t more slots (reserve)."""
+    T, t = past.shape[2], new.shape[2]      # past is the first T slots of a longer buffer: the same strides,
+    whole = past.as_strided((*past.shape[:2], T + t, past.shape[3]), past.stride(), past.storage_offset())
+    whole[:, :, T:] = new                   # T + t long, reach into it
+    return whole
+
+
+def keep_freed_memory():
+    """Make glibc's malloc keep freed blocks of up to 32 MiB (its largest mmap threshold) in the heap for
+    reuse, and never trim the heap back below 2 GiB, so that a cache of the size of the last ones costs
+    no page faults (glibc hands a large freed block back to the system, and the next one of that size
+    is written into fresh pages). For this process only: entry points call it (kvt bench, run.py), as a
+    serving engine keeps a KV pool, never a library import. A no-op returning False without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3                   # glibc's malloc.h
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
+
+
+# ---- the model: one query's attention, and decoding ---------------------------------------------------
+
+def attention(q, k, v, attn_mask, causal):
+    """model.attend, with one bf16 or fp16 query on a CPU (a decode step, the handoff's last token) in
+    one_query_attention, where torch's fused CPU kernel is slow for a single query."""
+    if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        return one_query_attention(q, k, v, attn_mask)
+    return model_.attend(q, k, v, attn_mask, causal)
+
+
+def one_query_attention(q, k, v, attn_mask=None):
+    """Attention of one query q (B, H, 1, D) over k, v (B, Hkv, S, D) in float32: the H / Hkv query heads
+    that share a KV head as the rows of one product with its keys, a softmax, a product with its
+    values, rounded once. attn_mask: None or bool (B, 1, 1, S), True = attend."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    scores = q.reshape(B, Hkv, H // Hkv, D).float() @ k.float().transpose(-1, -2) * D ** -0.5  # (B, Hkv, H/Hkv, S)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype).view(B, H, 1, D)
+
+
+def generate(model, logits, cache, max_new_tokens, **kw):
+    """model.generate from one copy of the cache that owns room for every new token (reserve), each step
+    appended in place, with one-query attention."""
+    return model_.generate(model, logits, reserve(cache, max(0, max_new_tokens - 1)), max_new_tokens,
+                           attention=attention, **kw)
+
+
+# ---- calibration statistics: centered float32 products, held between flushes --------------------------
+
+CHUNK = 256        # features per row chunk of the upper part of xx
+FLUSH = 8192       # tokens of products held in the products' dtype before they are added to the sums
+
+
+def add_batch(stats, split, src_kv, tgt_kv, pending, products=torch.float32):
+    """stats.add_batch through `pending` (the caller's dict of Pending, one per sums; stats.flush(pending)
+    completes the sums), what is pending for the other split flushed first, so that one split's
+    products are held at a time."""
+    flush(p for name, p in pending.items() if not name.endswith(split))
+    for name, x, y in batch_features(stats, split, src_kv, tgt_kv):
+        pending.setdefault(name, Pending(stats.sums[name], products)).add_(x, y)
+
+
+def add_fast_(sums, x, y, products=torch.float32):
+    """Sums.add_, faster: x and y centered on their batch mean, the products in `products` (upper part of
+    xx only), the mean's share added back in the sums' dtype. Returns sums."""
+    return Pending(sums, products, hold=False).add_(x, y).flush_()
+
+
+class Pending:
+    """Products of a few batches in the products' dtype, centered on one shift m (the first batch's mean),
+    added to `sums` every FLUSH tokens and by flush_(), the shift's share added back exactly in the sums'
+    dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T + s m^T  (xc = x - m, s = sum xc). The products then
+    run in float32 on numbers of the size of the features' spread, not of their mean. On a CPU (holds())
+    the float64 sums are read and written once per flush, not once per batch; elsewhere (a GPU, whose
+    memory goes to the statistics) the products go into the sums batch by batch and only the shift's
+    share waits. Until flush_(), `sums` lacks what is pending."""
+
+    def __init__(self, sums, products=torch.float32, hold=None):
+        self.sums, self.products, self.buf = sums, products, None
+        self.hold = holds(sums.xx.device, sums.xx.dtype, products) if hold is None else hold
+
+    def add_(self, x, y):
+        """Add tokens x (G, N, F) and y (G, N, O), centered on the shift."""
+        p, s = self.products, self.sums
+        if self.buf is None:
+            self.mx, self.my = x.mean(1, keepdim=True).to(p), y.mean(1, keepdim=True).to(p)
+            (G, _, F), O = x.shape, y.shape[2]
+            zeros = lambda *shape: torch.zeros(shape, dtype=p, device=x.device)
+            self.buf = Sums(zeros(G, F, F) if self.hold else s.xx, zeros(G, F, O) if self.hold else s.xy,
+                            zeros(G, F), zeros(G, O), zeros(G, O), zeros())    # not held: into the sums
+        add_raw_(self.buf, x.to(p) - self.mx, y.to(p) - self.my)
+        if self.buf.n >= FLUSH:
+            self.flush_()
+        return self
+
+    def flush_(self):
+        """Add what is pending to the sums; returns them."""
+        if self.buf is not None:
+            add_shifted_(self.sums, self.buf, self.mx, self.my)
+            self.buf = None
+        return self.sums
+
+
+def add_raw_(sums, x, y):
+    """Add tokens x (G, N, F) and y (G, N, O) as they are: the products in x's dtype (of xx its upper part,
+    rows in chunks of CHUNK features, each from its own diagonal on), added in the sums' dtype."""
+    xt = x.transpose(1, 2)                                             # (G, F, N)
+    for i in range(0, x.shape[2], CHUNK):                              # rows i:i+CHUNK, columns i:
+        _addmm(sums.xx[:, i:i + CHUNK, i:], xt[:, i:i + CHUNK], x[:, :, i:])
+    _addmm(sums.xy, xt, y)                                             # (G, F, N) @ (G, N, O)
+    sums.sx += x.sum(1)
+    sums.sy += y.sum(1)
+    sums.syy += (y * y).sum(1)
+    sums.n += x.shape[1]
+    return sums
+
+
+def _addmm(out, a, b):
+    """out += a @ b, batched; in place when a and b have out's dtype already, else the product in theirs,
+    added in out's."""
+    if a.dtype == out.dtype:
+        out.baddbmm_(a, b)
+    else:
+        out.add_(torch.bmm(a, b))
+
+
+def add_shifted_(sums, other, mx, my):
+    """Add `other`, sums of x - mx and y - my (in any dtype; mx (G, 1, F), my (G, 1, O)), to sums as sums
+    of x and y, in sums' dtype:  sum x x^T = sum xc xc^T + n m m^T + m s^T + s m^T  (s = sum xc)."""
+    dt, n = sums.sx.dtype, other.n.to(sums.sx.dtype)
+    mx, my = mx.to(dt), my.to(dt)
+    sxc, syc = other.sx.to(dt)[:, None], other.sy.to(dt)[:, None]     # (G, 1, F), (G, 1, O)
+    ux, uy = n * mx + sxc, n * my + syc                                # = sum x, sum y
+    a = torch.cat([mx, sxc], 1).transpose(1, 2)                       # (G, F, 2): one rank-2 update each
+    if other.xx is not sums.xx:                                        # (else its products are in sums)
+        sums.xx.add_(other.xx)
+        sums.xy.add_(other.xy)
+    sums.xx.baddbmm_(a, torch.cat([ux, mx], 1))                        # + n m m^T + m s^T + s m^T
+    sums.xy.baddbmm_(a, torch.cat([uy, my], 1))
+    sums.sx += ux[:, 0]
+    sums.sy += uy[:, 0]
+    sums.syy += other.syy.to(dt) + (2 * syc + n * my)[:, 0] * my[:, 0]  # sum (yc + m)^2
+    sums.n += other.n.to(sums.n.dtype)
+    return sums
+
+
+# ---- the map: one GEMM per tile, rotated straight into the new cache ----------------------------------
+
+TILE = 256  # tokens per tile of the map on a CPU: its gathered features (G, TILE, k*Bx) fit an L3 cache
+
+
+@torch.no_grad()
+def apply(mapper, src_cache, positions=None, devices=None, dtype=None, room=0):
+    """mapper.apply(src_cache, positions, devices, dtype), faster: the source keys stripped straight into
+    the features' layout, then each target layer mapped by map_layer into a new cache that owns `room`
+    slots after its T (a Reserved), so that the target's next step appends in place. Each source
+    layer's features move at most once to each device that needs them. A bf16 mapper's GEMM accumulates
+    in float32; rotations run in float32 or better and round once to their output's dtype."""
+    s, t = mapper.src_cfg, mapper.tgt_cfg
+    B, T = src_cache.positions.shape
+    pos = src_cache.positions if positions is None else positions
+    devices = [torch.device(d) for d in devices or mapper.devices(src_cache.keys[0].device)]
+    work, out_dtype = mapper.W["k"][0].dtype, dtype or src_cache.keys[0].dtype
+    exact = torch.promote_types(work, torch.float32)                     # what rotations compute in
+    src_rope, tgt_rope = rotation(s, src_cache.positions, exact, inverse=True), rotation(t, pos, exact)
+    used = {kind: sorted(set(mapper.layers[kind].flatten().tolist())) for kind in KINDS}  # source layers read
+    G, Bx, By = groups(s, t, mapper.scope)
+
+    def stripped(k):  # keys (B, Hkv, T, D), RoPE stripped, written straight into features (G, N, Bx)
+        x = torch.empty(G, B * T, Bx, dtype=work, device=k.device)
+        unfeatures(x, mapper.scope, B, T, s.n_kv_heads, s.head_dim).copy_(rope.rotate(k.to(exact), *src_rope(k.device)))
+        return x
+
+    xs = {"k": {l: stripped(src_cache.keys[l]) for l in used["k"]},
+          "v": {l: layer_features(src_cache.values[l].to(work), mapper.scope) for l in used["v"]}}
+    keys, values = [None] * t.n_layers, [None] * t.n_layers
+    for d in dict.fromkeys(devices):                                     # each device once, in layer order
+        here = [l for l in range(t.n_layers) if devices[l] == d]
+        for kind, out in (("k", keys), ("v", values)):
+            need = sorted({src for l in here for src in mapper.layers[kind][l].tolist()})
+            x = {src: xs[kind][src].to(d) for src in need}               # each source layer moved once to d
+            for l in here:
+                buf = torch.empty(B, t.n_kv_heads, T + room, t.head_dim, dtype=out_dtype, device=d)
+                out[l] = buf[:, :, :T]                                   # (B, Hkv, T, D), room slots after it
+                map_layer(mapper, kind, l, x, out[l], tgt_rope(d) if kind == "k" else None)
+    return Reserved(keys, values, pos.to(devices[0]).clone(), src_cache.mask.to(devices[0]).clone(),
+                    full=src_cache.full, room=room)
+
+
+def map_layer(mapper, kind, l, xs, out, cos_sin=None):
+    """mapper.map_layer written into out (B, Hkv, T, D), rotated by cos_sin (the target's RoPE; keys) when
+    given, a tile of TILE tokens of one sequence at a time on a CPU, so the tile's gathered features and
+    its outputs stay in the CPU's cache between the copy, the GEMM and the rotation. Each tile reads all
+    of W again, which pays while W is the smaller operand (By < TILE: head scope); layer scope's W
+    (k*Hkv*D, Hkv*D) is larger, and there, as on a GPU, the whole batch is one tile. Per tile: the k
+    selected layers' features copied side by side into one buffer, then x @ W + b as one baddbmm in the
+    features' dtype (for bf16 the sum over the k layers accumulates in float32 inside it and is rounded
+    once); with an MLP, mapper.map_layer on the tile."""
+    sel = mapper.layers[kind][l].tolist()
+    x0 = xs[sel[0]]
+    G, N, Bx = x0.shape
+    B, Hkv, T, D = out.shape
+    W, b = mapper.W[kind][l].to(x0), mapper.b[kind][l].to(x0)[:, None]  # (G, k*Bx, By), (G, 1, By)
+    tile = TILE if out.device.type == "cpu" and W.shape[-1] < TILE else T  # each tile reads all of W again
+    spans = ([(r, 1, t0, min(tile, T - t0)) for r in range(B) for t0 in range(0, T, tile)] if tile < T
+             else [(0, B, 0, T)])                                       # (first row, rows, first slot, slots)
+    m_max = max(rows * n for _, rows, _, n in spans)                     # features per span, at most
+    buf = None if mapper.mlp_mode else torch.empty(G, m_max, len(sel) * Bx, dtype=x0.dtype, device=x0.device)
+    for r, rows, t0, n in spans:
+        n0, m = r * T + t0, rows * n                                      # features n0 .. n0 + m
+        if mapper.mlp_mode:
+            y = mapper.map_layer(kind, l, {src: xs[src][:, n0:n0 + m] for src in sel})
+        else:
+            x = buf[:, :m]
+            for i, src in enumerate(sel):
+                x[:, :, i * Bx:(i + 1) * Bx] = xs[src][:, n0:n0 + m]       # (G, m, k*Bx)
+            y = torch.baddbmm(b, x, W)                                    # (G, m, By)
+        y = unfeatures(y, mapper.scope, rows, n, Hkv, D)                  # (rows, Hkv, n, D)
+        o = out[r:r + rows, :, t0:t0 + n]
+        if cos_sin is None:
+            o.copy_(y)
+        else:
+            cos, sin = (c[r:r + rows, :, t0:t0 + n] for c in cos_sin)
+            o.copy_(rope.rotate(y.to(cos.dtype), cos, sin))              # rounded once to the cache's dtype
+
+
+def rotation(cfg, pos, dtype, inverse=False):
+    """device -> (cos, sin) of cfg's RoPE at positions pos (B, T), computed once and copied once to each
+    device asked for; inverse: the rotation that strips RoPE (rope.strip_cos_sin)."""
+    inv, scale = rope.frequencies(cfg)
+    cos, sin = (rope.strip_cos_sin if inverse else rope.cos_sin)(pos, inv, scale, dtype)   # (B, 1, T, D)
+    made = {}
+
+    def on(device):
+        if device not in made:
+            made[device] = cos.to(device), sin.to(device)
+        return made[device]
+    return on
