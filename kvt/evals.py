@@ -38,10 +38,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from kvt import scoring, tasks
+from kvt import fast, scoring, tasks
 from kvt.answers import coqa_em, coqa_f1
 from kvt.config import KvtError
-from kvt.fast import generate as fast_generate
 from kvt.handoff import Recompute, handoff
 from kvt.model import generate
 # Also here, so that `from kvt import evals` reaches a whole evaluation (tutorial.md, section 10):
@@ -71,7 +70,7 @@ class Condition:
 
     def generate(self, logits, cache, max_new_tokens, **kw):
         """Greedy decoding by this condition's model from a prefilled state (model.generate)."""
-        return (generate if self.plain else fast_generate)(self.model, logits, cache, max_new_tokens, **kw)
+        return (generate if self.plain else fast.generate)(self.model, logits, cache, max_new_tokens, **kw)
 
 
 def transfer(source, target, mapper, recompute=Recompute(), plain=False):

@@ -341,6 +341,7 @@ def main(argv=None):
     from kvt import toy
     from kvt.config import find_weights, matched_kv, parse_pair
     from kvt.data import calibration_sequences, check_same_tokenizer
+    from kvt import fast
     from kvt.mapper import calibrate
 
     at_least("k", args.k)
@@ -363,7 +364,7 @@ def main(argv=None):
     target = kvt.load_model(tgt_dir, device=args.device)
     matched = matched_kv(src_cfg, target.config)
     mapper, report = calibrate(source, target, calib, "head" if matched else "layer", k=args.k, lam=args.lam,
-                               progress=False)
+                               progress=False, add=fast.add_batch)
     src_layers = list(range(src_cfg.n_layers))
     print(f"{src_name} -> {tgt_name}: validation R^2 of each target layer fitted from one source layer "
           f"({args.calib_seqs} x {args.calib_len} calibration tokens, lambda "

@@ -44,10 +44,10 @@ from pathlib import Path
 import torch
 
 import kvt
-from kvt import dist, evals, ridge, tasks, toy
+from kvt import dist, evals, fast, ridge, tasks, toy
 from kvt.bench import bench, format_rows, hardware, random_mapper
-from kvt.fast import keep_freed_memory
-from kvt.config import KvtError, at_least, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair
+from kvt.config import (KvtError, at_least, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair,
+                        plain_requested)
 from kvt.data import calibration_sequences, check_same_tokenizer, heldout_windows
 from kvt.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate, next_nll
@@ -56,6 +56,7 @@ from kvt.mapper import add_mlp, calibrate, check_pair_weights, load_mapper, save
 from kvt.model import check_weights, layer_devices
 from kvt.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
+from kvt.stats import add_batch as stats_add_batch
 from kvt.summary import (CORPUS, average_retention, context_gain, coqa_agreement, coqa_turns, lm_eval_results,
                           summarize)
 from kvt.weights import fingerprint
@@ -304,13 +305,14 @@ def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
     mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=stats,
                                key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
                                stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
-                               progress=dist.rank() == 0, keep_stats=args.keep_stats, weights=args.token_weights)
+                               progress=dist.rank() == 0, keep_stats=args.keep_stats, weights=args.token_weights,
+                               add=stats_add_batch if args.plain else fast.add_batch)
     if args.mapper in MLP_MODES:
         mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0,
                          checkpoint=out / f"mlp-{name}", key=short_hash(key))
     mapper.meta["fit_s"] = time.time() - t0                       # statistics, selection, ridge (and MLP) on this run
     used = mapper.to(dtype=dtype)                                   # the mapper as evaluation and the bench use it
-    mapper.meta["diagnostics"] = diagnose(source, target, used, calib.diag)  # on a region no choice has seen
+    mapper.meta["diagnostics"] = diagnose(source, target, used, calib.diag, plain=args.plain)  # a region no choice saw
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
     mapper.meta["key"] = short_hash(key)
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
@@ -531,7 +533,7 @@ def measure_context_gain(args, source, target, mapper, tok, is_toy):
                 print(f"context gain: {c} + {next_n} tokens exceed the models' {limit}; skipped")
                 continue
             ids = heldout_windows(path, tok, args.nll_windows, c + next_n, documents=docs)
-            row = context_gain(next_nll(source, target, mapper, ids, c), seed=args.seed)
+            row = context_gain(next_nll(source, target, mapper, ids, c, plain=args.plain), seed=args.seed)
             rows.append({"text": name, "context": c, "next": next_n, **row})
     return rows
 
@@ -552,9 +554,8 @@ def main(argv=None):
     empty output folder behind (a folder with a checkpoint in it stays: the rerun resumes from it)."""
     args = parse_args(argv)
     check_args(args)
-    keep_freed_memory()                          # process-wide: glibc keeps freed blocks for the next cache
-    if args.plain:
-        os.environ["KVT_PLAIN"] = "1"            # read by config.plain() in every step
+    fast.keep_freed_memory()                     # process-wide: glibc keeps freed blocks for the next cache
+    args.plain = args.plain or plain_requested()  # --plain or KVT_PLAIN=1: every step's plain path, passed on
     src_dir, tgt_dir, src_name, tgt_name = resolve(args)
     out = args.out or Path("runs") / f"{src_name}_{tgt_name}"
     created, threads = not out.exists(), torch.get_num_threads()
@@ -675,7 +676,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(dtype),
               **({"recompute": [recompute.last, recompute.first, recompute.frac]} if recompute else {}),
               **({"recompute_by": recompute.by} if recompute.frac and recompute.by != "attention" else {})}
-    conds = evals.conditions(target, source, evals.transfer(source, target, mapper, recompute))
+    conds = evals.conditions(target, source, evals.transfer(source, target, mapper, recompute, args.plain), args.plain)
     if args.batch_size is None:
         context, choices, new = eval_shape(items, tok)
         args.batch_size = eval_batch(src_cfg, tgt_cfg, cap, context, choices, new, args.scope, args.k, dtype, devices)
@@ -690,7 +691,9 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
         back = back.place(layer_devices(source))
         rev_header = dict(header, mapper=back_name)
         rev = run_tasks(args, {"coqa": items["coqa"]}, tok,
-                        {"target": evals.Condition(source), "transfer": evals.Condition(source, evals.transfer(target, source, back))},
+                        {"target": evals.Condition(source, plain=args.plain),
+                         "transfer": evals.Condition(source, evals.transfer(target, source, back, plain=args.plain),
+                                                     plain=args.plain)},
                         out / f"records-{back_name}-{short_hash(rev_header)}.jsonl", rev_header)
         coqa = {f"{src_name} -> {tgt_name}": {"gold": coqa_turns(records), "agreement": coqa_agreement(records)},
                 f"{tgt_name} -> {src_name}": {"gold": coqa_turns(rev), "agreement": coqa_agreement(rev)}}
@@ -705,7 +708,7 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
     if args.bench:
         back = random_mapper(tgt_cfg, src_cfg, args.scope, args.k, dtype, args.device)  # timing needs no fit
         rows = bench(source, target, mapper, back, lengths, names=(src_name, tgt_name),
-                     fracs=[recompute.frac] if recompute.frac else [])
+                     fracs=[recompute.frac] if recompute.frac else [], plain=args.plain)
 
     # 6. report
     table = format_summary(summary, average, src_name, tgt_name)

@@ -121,3 +121,21 @@ def test_recompute_budgets_keep_their_own_records(pair, tmp_path):
     assert len(list(tmp_path.glob("records-*.jsonl"))) == 2
     assert wider["settings"]["recompute_last"] == 3 and plain["settings"]["recompute_last"] == 0
     assert "recompute (kvt's option)" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("how", ["--plain", "KVT_PLAIN=1"])
+def test_plain_runs_no_fast_twin(pair, tmp_path, monkeypatch, how):
+    """--plain (or KVT_PLAIN=1) runs every step's plain path: calibration, diagnostics, handoff and
+    decoding never reach kvt/fast.py. Guards: the switch dropped on its way to a step (it used to be an
+    environment variable each step read; now it is an argument run passes on)."""
+    from kvt import fast
+
+    def refused(*args, **kw):
+        raise AssertionError("a fast twin ran under --plain")
+    for name in ("apply", "add_batch", "attention", "generate", "reserve"):
+        monkeypatch.setattr(fast, name, refused)
+    if how == "KVT_PLAIN=1":
+        monkeypatch.setenv("KVT_PLAIN", "1")
+    argv = ["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path / "o")] + ARGS
+    results = run.main(argv + (["--plain"] if how == "--plain" else []))
+    assert results["diagnostics"]["kl"] < 1e-4
