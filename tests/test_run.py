@@ -137,5 +137,6 @@ def test_plain_runs_no_fast_twin(pair, tmp_path, monkeypatch, how):
     if how == "KVT_PLAIN=1":
         monkeypatch.setenv("KVT_PLAIN", "1")
     argv = ["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path / "o")] + ARGS
+    argv[argv.index("toy_recall,toy_count")] = "toy_recall,toy_recall_gen"       # a generating task: decoding too
     results = run.main(argv + (["--plain"] if how == "--plain" else []))
     assert results["diagnostics"]["kl"] < 1e-4
