@@ -1,8 +1,8 @@
 """Evaluation: how much accuracy a transferred cache keeps, every item under every condition.
 
     conds = conditions(target, source, transfer(source, target, mapper))
-    records = list(evaluate("arc_easy", load_task("arc_easy", data_dir, 200), tok, conds))
-    summarize(records)               # kvt/summary.py: accuracy, 95% intervals, retention
+    records = list(evaluate("arc_easy", tasks.load_task("arc_easy", data_dir, 200), tok, conds))
+    summary.summarize(records)       # kvt/summary.py: accuracy, 95% intervals, retention
 
 A condition says where the context's cache comes from; a model then scores or generates from it:
     target    the target prefills the context itself
@@ -43,10 +43,6 @@ from kvt.answers import coqa_em, coqa_f1
 from kvt.config import KvtError
 from kvt.handoff import Recompute, handoff
 from kvt.model import generate
-# Also here, so that `from kvt import evals` reaches a whole evaluation (tutorial.md, section 10):
-from kvt.scoring import mc_metrics  # noqa: F401
-from kvt.summary import average_retention, bootstrap, summarize  # noqa: F401
-from kvt.tasks import load_task  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------- conditions

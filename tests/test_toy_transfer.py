@@ -6,6 +6,8 @@ import kvt
 from kvt import evals, toy
 from kvt.data import calibration_sequences
 from kvt.mapper import calibrate
+from kvt.summary import summarize
+from kvt.tasks import load_task
 from tests.conftest import ROOT
 
 
@@ -16,8 +18,8 @@ def test_transfer_keeps_recall():  # measured: target 1.00, transfer 0.92, floor
     calib = calibration_sequences(None, tok, 100, 256, documents=toy.corpus(1000, seed=99))
     mapper, _ = calibrate(source, target, calib, progress=False)          # the paper's layer scope, k = 8 -> 2
     conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
-    items = evals.load_task("toy_recall", None, 100)
-    summary = evals.summarize(list(evals.evaluate("toy_recall", items, tok, conds, progress=False)))["toy_recall"]
+    items = load_task("toy_recall", None, 100)
+    summary = summarize(list(evals.evaluate("toy_recall", items, tok, conds, progress=False)))["toy_recall"]
     own, moved, floor = (summary[c]["acc"] for c in ("target", "transfer", "floor"))
     print(f"\ntoy recall, 100 items: target {own:.2f}, transfer {moved:.2f}, floor {floor:.2f}")
     assert own >= 0.8, f"the target is not far above chance (0.25): {own:.2f}"
