@@ -105,7 +105,7 @@ ASSIGNMENTS = {
         Graded("scoring.mc_metrics", 1, 10, "acc and acc_norm as lm-evaluation-harness computes them"),
         Graded("summary.wilson", 2, 10, "the Wilson interval of a proportion"),
         Graded("summary.bootstrap", 3, 10, "a paired percentile bootstrap", tol=0.01),
-        Graded("summary._retention", 3, 10, "retention and floor-normalized retention with paired intervals: "
+        Graded("summary.retention", 3, 10, "retention and floor-normalized retention with paired intervals: "
                "{metric: {n, ratio, ratio_ci, floor_normalized, floor_normalized_ci}} (see summarize)", tol=0.02))),
 }
 
@@ -344,7 +344,7 @@ def case_bootstrap():
             "undefined": num(summary.bootstrap(lambda x: None, [a], 50))}
 
 
-@case("summary._retention")
+@case("summary.retention")
 def case_retention():
     g = torch.Generator().manual_seed(11)
     target = torch.rand(120, generator=g) < 0.9
@@ -354,7 +354,7 @@ def case_retention():
                  if not (c == "transfer" and i % 17 == 0)} for c, col in conds.items()}   # transfer lacks a few items
     out = {}
     for name, names in (("with_floor", ("target", "transfer", "floor")), ("without_floor", ("target", "transfer"))):
-        r = summary._retention({c: conds[c] for c in names}, ["acc"], 2000)["acc"]
+        r = summary.retention({c: conds[c] for c in names}, ["acc"], 2000)["acc"]
         out[name] = num([r["n"], r["ratio"], *r["ratio_ci"],
                          r.get("floor_normalized"), *r.get("floor_normalized_ci", (None, None))])
     return out
@@ -482,7 +482,7 @@ ABOUT = {
         "no items; and a statistic that is always None",
         "resample item indices with replacement, the same indices for every column (paired); the 2.5% and "
         "97.5% quantiles of the finite statistics; (None, None) with no items or no finite resample"),
-    "summary._retention": About(
+    "summary.retention": About(
         "120 items of acc under target, transfer (missing every 17th item) and floor; with and without the floor; "
         "each row is (n, ratio, its interval, floor-normalized, its interval)",
         "only the items every condition scored; ratio = transfer / target and (transfer - floor) / (target - "

@@ -160,11 +160,11 @@ def summarize(records, n_boot=1000):
                 row[m + "_stderr"] = stderr(vals)
             out[task][name] = row
         if "transfer" in conds and "target" in conds:
-            out[task]["retention"] = _retention(conds, metrics, n_boot)
+            out[task]["retention"] = retention(conds, metrics, n_boot)
     return out
 
 
-def _retention(conds, metrics, n_boot):
+def retention(conds, metrics, n_boot):
     """{metric: {"n", "ratio", "ratio_ci"[, "floor_normalized", "floor_normalized_ci"]}} from conds
     {condition: {item id: record}}: transfer over target (target over transfer where lower is better),
     and (transfer - floor) / (target - floor), on the items every condition scored, with a paired
