@@ -206,7 +206,7 @@ def test_the_gate_judges_the_mapper_as_evaluation_uses_it(tiny_pair, tmp_path, m
     float32 mapper while evaluation and the bench use it in bfloat16."""
     seen = []
     real = pipeline.diagnose
-    monkeypatch.setattr(pipeline, "diagnose", lambda s, t, m, ids: seen.append(m.W["k"].dtype) or real(s, t, m, ids))
+    monkeypatch.setattr(pipeline, "diagnose", lambda s, t, m, ids, **kw: seen.append(m.W["k"].dtype) or real(s, t, m, ids, **kw))
     argv = ["--source", str(tiny_pair / "source"), "--target", str(tiny_pair / "twin"), "--out", str(tmp_path / "o")]
     results = pipeline.main(argv + RUN_ARGS + ["--dtype", "bfloat16"])
     assert seen == [torch.bfloat16] and results["diagnostics"]["kl"] >= 0
