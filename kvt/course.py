@@ -311,10 +311,11 @@ def case_loglikelihoods():
         for _ in range(3):                                           # the model's own greedy continuation
             greedy.append(model(torch.tensor([ctx + greedy]))[0][0, -1].argmax().item())
     conts = [[40], [7, 7, 120, 3], greedy, [88, 2]]
-    lls, best = scoring.loglikelihoods(model, ctx, conts)
-    other = scoring.loglikelihoods(model, ctx, conts[:2], lambda ids: scoring.prefill(model, ids.flip(1)))[0]
-    return {"ll": num(lls), "greedy": num(best), "one_token": num(scoring.loglikelihoods(model, ctx, [[40]])[0]),
-            "other_prefill": num(other)}
+    [(lls, best)] = scoring.loglikelihoods(model, [(ctx, conts)])
+    other = scoring.loglikelihoods(model, [(ctx, conts[:2])], lambda ids: scoring.prefill(model, ids.flip(1)))[0][0]
+    two = scoring.loglikelihoods(model, [(ctx, conts[1:3]), ([9, 4], [[11, 12, 13], [1]])])   # left-padded together
+    return {"ll": num(lls), "greedy": num(best), "one_token": num(scoring.loglikelihoods(model, [(ctx, [[40]])])[0][0]),
+            "other_prefill": num(other), "two_contexts": num([ll for lls_, _ in two for ll in lls_])}
 
 
 @case("scoring.mc_metrics")
@@ -464,10 +465,11 @@ ABOUT = {
          **{p + "logits": "B T V" for p in ("padded_", "one_", "single_token_", "recompute_")}}),
     "scoring.loglikelihoods": About(
         "a random 2-layer model, a 7-token context and 4 continuations (1, 4, 3 and 2 tokens; the third is the "
-        "model's own greedy continuation); other_prefill: a context cache from another prefill function",
+        "model's own greedy continuation); other_prefill: a context cache from another prefill function; "
+        "two_contexts: two of them beside a 2-token context with 2 continuations, in one call (left padding)",
         "logits at position j predict token j + 1: a continuation's first token is scored by the context's last "
         "logits, each later token by the logits of the token before it; greedy: every token the argmax",
-        {"ll": "n", "greedy": "n", "other_prefill": "n"}),
+        {"ll": "n", "greedy": "n", "other_prefill": "n", "two_contexts": "n"}),
     "scoring.mc_metrics": About(
         "loglikelihoods (-3, -1, -1, -2) with gold 1, then (-3, -1, -1.2, -2) with gold 2; choices 'a', 'bb', "
         "'ccc', 'd' (lengths 1, 2, 3, 1); each item is (pred, pred_norm, acc, acc_norm)",

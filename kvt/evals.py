@@ -115,7 +115,7 @@ def score_inputs(cond, tok, items, task):
         for context in contexts:
             ctx, cont = scoring.encode_pair(tok.encode, context, " " + item.continuation, tok.prefix_id)
             pairs.append((ctx, [cont]))
-    results = iter(scoring.batch_loglikelihoods(cond.model, pairs, cond.prefill))
+    results = iter(scoring.loglikelihoods(cond.model, pairs, cond.prefill))
     out = []
     for item, contexts in zip(items, per_item):
         lls = [next(results)[0][0] for _ in contexts]
@@ -136,7 +136,7 @@ def score_rolling(cond, tok, items, task):
             raise KvtError(f"{task.name} item {item.id}: no text to score after the prefix (Item.continuation)")
         pairs.append((ctx, [cont]))
         texts.append(text)
-    results = scoring.batch_loglikelihoods(cond.model, pairs, cond.prefill)
+    results = scoring.loglikelihoods(cond.model, pairs, cond.prefill)
     return [{"ll": lls[0], "tokens": len(conts[0]), "words": len(re.split(r"\s+", text)), "bytes": len(text.encode("utf-8"))}
             for (_, conts), text, (lls, _) in zip(pairs, texts, results)]
 

@@ -205,8 +205,8 @@ class KvtLM(LM):
         for ctx, idx in by_ctx.items():
             for s in range(0, len(idx), self.batch_size):
                 chunk = idx[s:s + self.batch_size]
-                lls, greedy = scoring.loglikelihoods(self.cond.model, list(ctx), [pairs[i][1] for i in chunk],
-                                                     self.cond.prefill)
+                [(lls, greedy)] = scoring.loglikelihoods(self.cond.model, [(list(ctx), [pairs[i][1] for i in chunk])],
+                                                         self.cond.prefill)
                 for i, ll, g in zip(chunk, lls, greedy):
                     out[i] = (ll, bool(g))
                 bar.update(len(chunk))

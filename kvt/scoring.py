@@ -1,12 +1,11 @@
 """Scoring text by loglikelihood from a cache: the one multiple-choice scorer of kvt.
 
-    lls, greedy = loglikelihoods(model, ctx_ids, [cont_ids, ...])      # the context is prefilled once
+    [(lls, greedy), ...] = loglikelihoods(model, [(ctx_ids, [cont_ids, ...]), ...])  # each context prefilled once
     record = score_choices(model, encode, context, choices, gold)     # acc, acc_norm as the harness
-    [(lls, greedy), ...] = batch_loglikelihoods(model, [(ctx_ids, [cont_ids, ...]), ...])  # many contexts at once
 
-batch_loglikelihoods is loglikelihoods' fast twin (a GPU reading one context at a time waits on kernel
-launches): the contexts are left-padded into one prefill, every continuation of every context one
-right-padded batch after it, and each result equals loglikelihoods' within the dtype's rounding.
+Several contexts are one left-padded prefill and every continuation of every context one right-padded
+batch after it (a GPU reading one context at a time waits on kernel launches); each result equals the
+one its context gets alone within the dtype's rounding (tests/test_batch.py).
 
 The evals (kvt/evals.py) score every multiple-choice task with score_choices, and so does the toy
 family's trainer (toy.choice_accuracy), so a toy model's held-out recall and its evaluation are the
@@ -55,35 +54,12 @@ def encode_pair(encode, context, continuation, prefix_id=None):
 
 
 @torch.no_grad()
-def loglikelihoods(model, ctx, conts, via=None):
-    """Sum of log p(continuation | context) for n continuations (lists of ids), and whether each is the
-    greedy one. The context is prefilled once (via: another prefill, see `prefill`); the continuations
-    run as one right-padded batch from its cache."""
-    dev = next(model.parameters()).device
-    last, cache = prefill(model, torch.tensor([ctx], device=dev), via)  # (1, V), a cache of T slots
-    n, Tc = len(conts), max(len(c) for c in conts)
-    cont = torch.zeros(n, Tc, dtype=torch.long, device=dev)  # (n, Tc), right padding
-    real = torch.zeros(n, Tc, dtype=torch.bool, device=dev)  # (n, Tc), True at real tokens
-    for i, c in enumerate(conts):
-        cont[i, :len(c)], real[i, :len(c)] = torch.tensor(c), True
-    # Off by one: logits[:, i] predict token i+1. The context's last position predicts continuation
-    # token 0; continuation token j predicts token j+1, so the last token is never fed. Right padding
-    # sits after every real token, so it cannot change their logits (attention is causal).
-    pred = last[:, None].expand(n, 1, -1)                     # (n, 1, V)
-    if Tc > 1:
-        logits, _ = model(cont[:, :-1], cache=cache.expand(n))  # (n, Tc-1, V)
-        pred = torch.cat([pred, logits], 1)                   # (n, Tc, V)
-    logp = pred.float().log_softmax(-1).gather(-1, cont[..., None])[..., 0]  # (n, Tc)
-    ll = logp.masked_fill(~real, 0).sum(1)                    # (n,)
-    greedy = ((pred.argmax(-1) == cont) | ~real).all(1)       # (n,)
-    return ll.tolist(), greedy.tolist()
-
-
-@torch.no_grad()
-def batch_loglikelihoods(model, pairs, via=None):
-    """loglikelihoods for several contexts at once: pairs [(ctx ids, [cont ids, ...]), ...] -> [(lls, greedy),
-    ...]. The contexts are one left-padded prefill (via: another prefill, called with the mask); every
-    continuation reads its own context's cache (a copy per row, but for one context: views)."""
+def loglikelihoods(model, pairs, via=None):
+    """Sum of log p(continuation | context), and whether it is the greedy one, for every continuation of
+    every context: pairs [(ctx ids, [cont ids, ...]), ...] -> [(lls, greedy), ...], one per context. The
+    contexts are prefilled once, as one left-padded batch (via: another prefill, see `prefill`); every
+    continuation then runs as one right-padded batch from its own context's cache (views of the one
+    cache when there is one context, a copy per row otherwise)."""
     dev = next(model.parameters()).device
     ids, mask = left_pad([ctx for ctx, _ in pairs], dev)
     last, cache = prefill(model, ids, via, mask)              # (B, V), a cache of T slots per context
@@ -94,7 +70,9 @@ def batch_loglikelihoods(model, pairs, via=None):
     real = torch.zeros(n, Tc, dtype=torch.bool, device=dev)  # (n, Tc), True at real tokens
     for i, c in enumerate(conts):
         cont[i, :len(c)], real[i, :len(c)] = torch.tensor(c), True
-    # As in loglikelihoods: logits[:, i] predict token i+1; right padding comes after every real token.
+    # Off by one: logits[:, i] predict token i+1. The context's last position predicts continuation
+    # token 0; continuation token j predicts token j+1, so the last token is never fed. Right padding
+    # sits after every real token, so it cannot change their logits (attention is causal).
     pred = last[rows][:, None]                                # (n, 1, V)
     if Tc > 1:
         logits, _ = model(cont[:, :-1], cache=cache.expand(n) if len(pairs) == 1 else cache.select(rows))
@@ -103,7 +81,7 @@ def batch_loglikelihoods(model, pairs, via=None):
     ll = logp.masked_fill(~real, 0).sum(1).tolist()          # (n,)
     greedy = ((pred.argmax(-1) == cont) | ~real).all(1).tolist()
     out, i = [], 0
-    for _, cs in pairs:
+    for _, cs in pairs:                                       # back to one (lls, greedy) per context
         out.append((ll[i:i + len(cs)], greedy[i:i + len(cs)]))
         i += len(cs)
     return out
@@ -125,10 +103,10 @@ def score_choices(model, encode, context, choices, gold, prefix_id=None, via=Non
 
 
 def score_choice_batch(model, encode, items, prefix_id=None, via=None):
-    """score_choices for several items (context, choices, gold) at once (batch_loglikelihoods): a record each."""
+    """score_choices for several items (context, choices, gold) at once (one loglikelihoods call): a record each."""
     pairs = []
     for context, choices, _ in items:
         encoded = [encode_pair(encode, context, " " + c, prefix_id) for c in choices]
         pairs.append((encoded[0][0], [cont for _, cont in encoded]))
     return [{"gold": gold, "lls": lls, "greedy": greedy, **mc_metrics(lls, choices, gold)}
-            for (_, choices, gold), (lls, greedy) in zip(items, batch_loglikelihoods(model, pairs, via))]
+            for (_, choices, gold), (lls, greedy) in zip(items, loglikelihoods(model, pairs, via))]

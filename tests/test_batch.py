@@ -191,9 +191,11 @@ def test_end_ids_from_generation_config_then_config(tmp_path):
     assert end_ids(tmp_path) == (2,)
 
 
-def test_left_pad_and_batch_loglikelihoods_equal_the_plain_scorer():
-    """batch_loglikelihoods (the fast twin) against loglikelihoods (the plain one, a context at a time), and
-    left_pad's layout: padding first, no mask when nothing is padded."""
+def test_contexts_scored_together_equal_each_alone():
+    """loglikelihoods of three contexts in one call (left-padded into one prefill, each continuation on its
+    own context's rows) against each context alone, and left_pad's layout: padding first, no mask when
+    nothing is padded. Guards: a continuation read from another context's cache row, or padding that
+    leaks into the scores."""
     ids, mask = scoring.left_pad([[5, 6, 7], [8]])
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[True] * 3, [False, False, True]]
     assert scoring.left_pad([[1, 2], [3, 4]])[1] is None
@@ -201,8 +203,8 @@ def test_left_pad_and_batch_loglikelihoods_equal_the_plain_scorer():
     model = kvt.build_model(tiny_config("qwen3"), seed=3, std=0.2)
     pairs = [([5, 17, 99, 23, 8, 64, 1], [[40], [7, 7, 120, 3], [88, 2]]), ([9, 4], [[11, 12, 13], [1]]),
              ([100, 2, 3, 4, 5], [[6]])]
-    for (ctx, conts), (lls, greedy) in zip(pairs, scoring.batch_loglikelihoods(model, pairs)):
-        want, want_greedy = scoring.loglikelihoods(model, ctx, conts)
+    for pair, (lls, greedy) in zip(pairs, scoring.loglikelihoods(model, pairs)):
+        [(want, want_greedy)] = scoring.loglikelihoods(model, [pair])
         assert max(abs(a - b) for a, b in zip(lls, want)) <= TOL and greedy == want_greedy
 
 

@@ -184,9 +184,10 @@ def test_scoring_off_by_one_costs_its_points(solutions, tmp_path, capsys):
     """Guards: scoring each continuation token with the logits at its own position (which predict the
     next token) instead of the position before it, passing."""
     folder = plant(solutions, tmp_path, "evals", "kvt/scoring.py",
-                   "logits, _ = model(cont[:, :-1], cache=cache.expand(n))  # (n, Tc-1, V)\n"
+                   "logits, _ = model(cont[:, :-1], cache=cache.expand(n) if len(pairs) == 1 else cache.select(rows))\n"
                    "        pred = torch.cat([pred, logits], 1)",
-                   "logits, _ = model(cont, cache=cache.expand(n))\n        pred = logits")
+                   "logits, _ = model(cont, cache=cache.expand(n) if len(pairs) == 1 else cache.select(rows))\n"
+                   "        pred = logits")
     assert_costs_exactly(folder, "scoring.loglikelihoods", capsys)
 
 
@@ -283,7 +284,7 @@ def h():
     scoring = (course.KVT / "scoring.py").read_text()
     stubbed = course.stub(scoring, [f for f in course.ASSIGNMENTS["evals"].functions if f.module == "scoring"])
     assert "Off by one" in scoring and "Off by one" not in stubbed
-    assert "@torch.no_grad()\ndef loglikelihoods(model, ctx, conts, via=None):\n" in stubbed
+    assert "@torch.no_grad()\ndef loglikelihoods(model, pairs, via=None):\n" in stubbed
     before, after = ({n.name: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}
                      for text in (scoring, stubbed))
     assert ast.get_docstring(after["loglikelihoods"]) == ast.get_docstring(before["loglikelihoods"])

@@ -46,7 +46,7 @@ def test_scoring_from_cache_equals_one_pass(family):
     model = tiny(family)
     ctx = [5, 17, 99, 23, 8, 64, 1]
     conts = [[40], [7, 7, 120, 3], [88, 2], [11, 12, 13, 14, 15, 16]]  # lengths 1..6: right padding
-    lls, greedy = scoring.loglikelihoods(model, ctx, conts)
+    [(lls, greedy)] = scoring.loglikelihoods(model, [(ctx, conts)])
     for cont, ll, g in zip(conts, lls, greedy):
         logits, _ = model(torch.tensor([ctx + cont]))                 # (1, T + Tc, V)
         logp = logits[0, len(ctx) - 1:-1].float().log_softmax(-1)     # positions predicting cont
@@ -66,10 +66,10 @@ def test_scoring_uses_the_given_prefill():
         logits, cache = model(ids[:, 4:], cache=cache)
         return logits[:, -1], cache
 
-    own = scoring.loglikelihoods(model, ctx, conts)[0]
-    assert torch.allclose(torch.tensor(scoring.loglikelihoods(model, ctx, conts, chunked)[0]),
+    own = scoring.loglikelihoods(model, [(ctx, conts)])[0][0]
+    assert torch.allclose(torch.tensor(scoring.loglikelihoods(model, [(ctx, conts)], chunked)[0][0]),
                           torch.tensor(own), atol=1e-4)
-    other = scoring.loglikelihoods(model, ctx, conts, lambda ids: scoring.prefill(model, ids.flip(1)))[0]
+    other = scoring.loglikelihoods(model, [(ctx, conts)], lambda ids: scoring.prefill(model, ids.flip(1)))[0][0]
     assert max(abs(a - b) for a, b in zip(own, other)) > 1e-3
 
 
