@@ -6,18 +6,18 @@ mapper takes to hand it over from the source's cache. Both are timed in one proc
 For each context length n and each direction (source -> target):
   source prefill   the source's own prefill of n tokens (listed apart: in serving it already happened)
   target prefill   what a model swap costs today: the target re-reads all n tokens
-  transfer         mapper.apply on the source's cache of n - 1 tokens, then the target runs the last
-                   prompt token itself (the handoff of handoff.py)
+  transfer         the map of the source's cache of n - 1 tokens (fast.apply; Mapper.apply with
+                   --plain), then the target runs the last prompt token itself (handoff.take_over)
   speedup          target prefill / transfer (the ratio of their medians)
   per round        the same ratio taken in each round of runs (median, min-max; per_round)
-  of which map s   mapper.apply alone; the rest of the transfer is the target's last-token step
+  of which map s   the map alone; the rest of the transfer is the target's last-token step
   last step GB/s   the bytes that step reads (last_step_bytes) over its time
   copy GB/s        a plain copy's rate, timed in turn with the rest (copier): about the most the
                    last step can reach on this device at that time
   roofline         the speedup if the map ran at the prefill's FLOP rate and the last step read its
                    bytes at the copy's rate, both measured in the same rounds; reached: the fraction of
                    it the transfer reaches, per round (median, min-max)
-  plain transfer s (with --both) the transfer on the plain path (mapper.apply, the cache concatenated),
+  plain transfer s (with --both) the transfer on the plain path (Mapper.apply, Cache.update's torch.cat),
                    timed in the same rounds; --plain times everything on the plain path
   + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
                    mapped slots itself (handoff.Recompute; timed on the last f of the slots, since

@@ -1,7 +1,7 @@
 """The MLP backstop, one per target layer and kind, for when the ridge map is not enough.
 
 The paper's form (mapper.add_mlp(mode="replace"), `--mapper mlp`): the MLP replaces ridge, with two
-hidden layers of 1,024 units each:  y = W3 gelu(W2 gelu(W1 x + b1) + b2) + b3.
+hidden layers of 1,024 units each:  y = gelu(gelu(x w0 + b0) w1 + b1) w2 + b2, as stored.
 kvt's own option (mode="residual", `--mapper ridge+mlp`): one hidden layer learning what ridge leaves
 over (targets y - ridge(x)), added to the ridge map.
 

@@ -1,6 +1,6 @@
 """kvt end to end: calibrate (or reuse) a mapper for a pair, check it, evaluate, benchmark, report.
 
-    python run.py                                  # the toy family, offline, 18 s on 2 CPU cores (README; or: kvt run)
+    python run.py                                  # the toy family, offline, seconds on a CPU (README; or: kvt run)
     python run.py --pair qwen3-14b:32b             # weights/qwen3-14b -> weights/qwen3-32b
     python run.py --source DIR --target DIR --tasks arc_easy --limit 200
 
