@@ -1,7 +1,9 @@
 """kvt: cross-model KV cache transfer, as a readable reference (arXiv 2608.03893).
 
 Stages, in the order data flows (a module never imports from a later one):
-  config, dist, rope, tokenizer, data, weights, cache, model   checkpoints and text -> models
+  config, dist, rope, tokenizer, data, weights                  checkpoints and text
+  checkpoint                                                    kvt's own files: statistics, fits, mappers
+  cache, model                                                  -> models
   scoring                                                       loglikelihood of continuations from a cache
   toy                                                           a tiny trained family for offline use
   family                                                        smaller siblings of a checkpoint: prune, heal

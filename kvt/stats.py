@@ -31,13 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from kvt import dist
+from kvt import checkpoint, dist
 from kvt.capture import capture, features
 from kvt.config import KvtError, check_matched_kv, matched_kv
-from kvt.weights import write_safetensors
 
 KINDS = ("k", "v")
 SPLITS = ("fit", "val")
@@ -266,12 +264,11 @@ def zero_(stats):
 
 
 def save_stats(stats, path):
-    """Write stats to a safetensors file atomically (tmp file, then rename)."""
+    """Write stats to a safetensors file atomically (checkpoint.save)."""
     check_finite(stats)
-    tensors = {f"{name}.{f}": getattr(s, f).contiguous() for name, s in stats.sums.items() for f in FIELDS}
-    meta = {"format": FORMAT, "plan": json.dumps(stats.plan()), "seen": str(stats.seen), "data": stats.data,
-            "key": stats.key}
-    write_safetensors(tensors, path, metadata=meta)
+    tensors = {f"{name}.{f}": getattr(s, f) for name, s in stats.sums.items() for f in FIELDS}
+    checkpoint.save(path, tensors, FORMAT, {"plan": json.dumps(stats.plan()), "seen": str(stats.seen),
+                                            "data": stats.data, "key": stats.key})
 
 
 def load_stats(path, like=None, device=None):
@@ -279,27 +276,18 @@ def load_stats(path, like=None, device=None):
     plan, key or format), and read the sums into like's own tensors (one tensor at a time, so memory
     never holds two copies); returns like."""
     names = [f"{k}.{s}" for k in KINDS for s in SPLITS]
-    try:
-        f = safe_open(str(path), "pt", device=str(device or "cpu"))
-    except (SafetensorError, OSError) as e:
-        raise KvtError(f"statistics checkpoint {path} is unreadable ({str(e).splitlines()[0]}); delete it to "
-                       "recalibrate from the start")
+    fix = "delete it to recalibrate"
+    f, meta = checkpoint.open_(path, FORMAT, "statistics checkpoint", fix, None if like is None else like.key,
+                               device or "cpu")
     with f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise KvtError(f"{path} is not a kvt statistics checkpoint of this version (format "
-                           f"{meta.get('format', 'unknown')}, need {FORMAT}); delete it to recalibrate")
         plan = json.loads(meta["plan"])
         if like is None:
             sums = {name: Sums(*(f.get_tensor(f"{name}.{fld}") for fld in FIELDS)) for name in names}
             stats = Stats(plan["scope"], plan["src_layers"], plan["tgt_layers"], plan["bx"], plan["by"], sums)
         else:
-            if meta["key"] != like.key:
-                raise KvtError(f"statistics checkpoint {path} was made for another pair or settings "
-                               f"({meta['key'] or 'no key'}, not {like.key or 'no key'}); delete it to recalibrate")
             if plan != like.plan():
                 raise KvtError(f"statistics checkpoint {path} is for another calibration plan ({plan}, not "
-                               f"{like.plan()}); delete it to recalibrate")
+                               f"{like.plan()}); {fix}")
             for name in names:
                 for fld in FIELDS:
                     getattr(like.sums[name], fld).copy_(f.get_tensor(f"{name}.{fld}"))

@@ -5,7 +5,7 @@ from pathlib import Path
 import kvt
 
 KVT = Path(kvt.__file__).parent
-ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "cache", "model", "scoring", "toy", "family",
+ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "checkpoint", "cache", "model", "scoring", "toy", "family",
          "capture", "stats", "ridge", "attnfit", "mlp", "mapper", "fast", "plan", "handoff", "figures",
          "answers", "tasks", "summary", "evals", "bench", "cascade", "hf", "pipeline", "cli", "lm_eval", "serving", "course"]
 
