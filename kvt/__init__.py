@@ -8,10 +8,11 @@ Stages, in the order data flows (a module never imports from a later one):
   toy                                                           a tiny trained family for offline use
   family                                                        smaller siblings of a checkpoint: prune, heal
   capture, stats                                                position-free KV -> streamed statistics
+  plan                                                          plan memory, disk and time before heavy work
   ridge, attnfit, mlp                                           fit (attnfit: attention-weighted, kvt's option)
   mapper                                                        apply a map (save, load)
   fast                                                          every speed trick: the fast twins of the above
-  plan, handoff                                                 plan memory, hand a context over
+  handoff                                                       hand a context over
   figures                                                       the layer R^2 map; diagnostics vs retention
   answers, tasks                                                answer metrics; the task registry and items
   summary, evals                                                records -> retention; conditions, the run loop

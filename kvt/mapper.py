@@ -34,8 +34,8 @@ from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv, matched_kv
-from kvt.stats import (KINDS, SAVE_S, accumulate, add_batch, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
-                       new_stats, sums_bytes)
+from kvt.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
+from kvt.stats import KINDS, SAVE_S, accumulate, add_batch, candidate_layers, groups, new_stats
 from kvt.weights import model_fingerprint
 
 
@@ -166,7 +166,7 @@ def unflat(y, G):
 def target_groups(selected, bx, by, bound):
     """Target layers split into consecutive groups, each the statistics of one layer-scope pass: a group
     grows while its union of selected source layers (both kinds) and its outputs need no more memory
-    than `bound` = (source layers, target layers) can (stats.layer_group_bound), so no pass exceeds
+    than `bound` = (source layers, target layers) can (plan.layer_group_bound), so no pass exceeds
     what the plan counted, and most hold more target layers than the bound's."""
     n_tgt = selected["k"].shape[0]
     if bound[1] >= n_tgt:

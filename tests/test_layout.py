@@ -6,7 +6,7 @@ import kvt
 
 KVT = Path(kvt.__file__).parent
 ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "checkpoint", "cache", "model", "scoring", "toy", "family",
-         "capture", "stats", "ridge", "attnfit", "mlp", "mapper", "fast", "plan", "handoff", "figures",
+         "capture", "stats", "plan", "ridge", "attnfit", "mlp", "mapper", "fast", "handoff", "figures",
          "answers", "tasks", "summary", "evals", "bench", "cascade", "hf", "pipeline", "cli", "lm_eval", "serving", "course"]
 
 
