@@ -502,12 +502,13 @@ EVAL_TOKENS = {"hellaswag": (166, 0), "arc_easy": (42, 0), "arc_challenge": (55,
                "gsm8k": (765, 256), "coqa": (487, 576)}
 
 
-def forward_flops(cfg, T):
+def forward_flops(cfg, T, last=False):
     """FLOPs of one forward over T tokens without logits (calibration's capture): 2 per weight per token
-    (the embedding looked up, not multiplied) plus attention's causal q.k and p.v (kvt.bench.prefill_flops
-    less its one output row)."""
-    per_token = sum(weight_bytes(cfg, ["cpu"], torch.int8).values()) - cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
-    return 2 * per_token * T + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * T
+    (the embedding looked up, not multiplied) plus attention's causal q.k and p.v over the causal half.
+    last=True: a prefill with logits for the last position only (model(ids, last=True)), one output row more."""
+    embed = cfg.vocab_size * cfg.dim
+    per_token = sum(weight_bytes(cfg, ["cpu"], torch.int8).values()) - embed * (1 if cfg.tie_embeddings else 2)
+    return 2 * per_token * T + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * T + (2 * embed if last else 0)
 
 
 def weight_reads(cfg, dtype=torch.bfloat16):
