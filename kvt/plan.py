@@ -10,8 +10,9 @@
     python -m kvt.plan --pair qwen3-14b:32b --summary              # H100/H200 x 1, 2, 4, 8
 
 Every row is a closed-form count of numbers times bytes per number, on the device where kvt puts it.
-model.place splits n devices by contiguous layers: layer l on devices[l * n // L], the embedding on
-the first, the final norm and lm_head on the last. With C = dim, F = ffn_dim, V = vocab, N = B * T:
+model.place splits n devices by contiguous layers (model.layer_device: layer l on devices[l * n // L]),
+the embedding on the first, the final norm and lm_head on the last. With C = dim, F = ffn_dim, V = vocab,
+N = B * T:
 
   weights      embedding V*C; per layer C*(2*H*D + 2*Hkv*D) + 3*C*F + 2*C (+ 2*D: Qwen3's q/k norms);
                final norm C; lm_head V*C (one shared tensor when tied and on one device)
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvt.config import KvtError, at_least, check_matched_kv, command, matched_kv, parse_pair, shape
+from kvt.model import layer_device
 from kvt.stats import candidate_layers, groups, holds
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
@@ -87,10 +89,6 @@ def canonical(device):
 
 def nbytes(dtype):
     return torch.empty((), dtype=dtype).element_size()
-
-
-def layer_device(l, n_layers, devices):
-    return devices[l * len(devices) // n_layers]                  # model.place's rule
 
 
 def per_layer(n_layers, devices, count):
