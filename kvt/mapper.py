@@ -184,6 +184,39 @@ def target_groups(selected, bx, by, bound):
     return out
 
 
+def layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, checkpoint=None, key="", keep_stats=True):
+    """Steps 3 and 4 of calibrate on a matched pair in layer scope: layer-level statistics of only the
+    selected source layers, one pass per group of target layers (target_groups within `bound`), each
+    fitted by ridge as soon as it is complete and then freed. run_pass(name, scope, src_layers,
+    tgt_layers, final) accumulates one pass (calibrate's). With `checkpoint`, a group's fits are saved
+    (CHECKPOINT.fit-<id of its layers>-<id of the fit>) and reused by a run that needs them, and with
+    keep_stats=False its statistics checkpoint is deleted once they are.
+    Returns (fits {kind: {target layer: (W, b, R^2, lambda)}}, skipped {kind: {target layer: [lambdas]}})."""
+    fits, skipped = {kind: {} for kind in KINDS}, {kind: {} for kind in KINDS}
+    G, bx, by = groups(src_cfg, tgt_cfg, "layer")
+    for targets in target_groups(selected, bx, by, bound):
+        union = sorted({l for kind in KINDS for t in targets for l in selected[kind][t].tolist()})
+        plan_id = hashlib.sha256(json.dumps([union, targets]).encode()).hexdigest()[:8]
+        fit_id = hashlib.sha256(json.dumps([lams, {kind: selected[kind][targets].tolist() for kind in KINDS}])
+                                .encode()).hexdigest()[:8]
+        done = checkpoint and f"{checkpoint}.fit-{plan_id}-{fit_id}"   # this group's fits, once made
+        got = load_fits(done, key)
+        if got is None:
+            stats = run_pass(f"pass2-{plan_id}", "layer", union, targets, final=keep_stats)  # named by what it sums
+            skip = {kind: {} for kind in KINDS}
+            got = ({kind: ridge.fit_layers(stats, kind, selected[kind], lams, skip[kind], host=True)
+                    for kind in KINDS}, skip)
+            del stats
+            if done and dist.rank() == 0:
+                save_fits(done, *got, key)
+                if not keep_stats and os.path.exists(f"{checkpoint}.pass2-{plan_id}"):
+                    os.remove(f"{checkpoint}.pass2-{plan_id}")                   # its fits hold what it gave
+        for kind in KINDS:                             # each W left the device as it was fitted
+            fits[kind].update(got[0][kind])
+            skipped[kind].update(got[1][kind])
+    return fits, skipped
+
+
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, checkpoint=None, key="",
               stats_device=None, tokenizer="", progress=True, products=torch.float32, stats_dtype=torch.float64,
               candidates=None, group=None, keep_stats=True, save_s=SAVE_S, select=None, weights="uniform",
@@ -238,49 +271,32 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
                           save_s=save_s, final=final, progress=progress, products=products, add=add)
 
     skipped = {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}  # singular lambdas
+    # 1. statistics over the candidate source layers, head-level where the pair has matched KV
     stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, candidates))
+    # 2. per target layer and kind, the k source layers with the best validation single-layer R^2
     r2_single = {kind: ridge.single_layer_r2(stats, kind, lams, skipped["select"][kind]) for kind in KINDS}
     selected = {kind: select(stats, kind, k, lams) if select else       # default: the paper's top-k
                 ridge.select_layers(r2_single[kind], stats.src_layers, k) for kind in KINDS}
-    fits = {kind: {} for kind in KINDS}
+    # 3. and 4. ridge per target layer and kind (in layer scope on a matched pair: over new layer-level
+    # statistics of the selected layers only)
     if scope == "layer" and matched:
         del stats                                      # free the first pass before the next allocates
-        G, bx, by = groups(src_cfg, tgt_cfg, "layer")
-        parts = target_groups(selected, bx, by, layer_group_bound(src_cfg, tgt_cfg, k, group, candidates))
-        for i, targets in enumerate(parts):
-            union = sorted({l for kind in KINDS for t in targets for l in selected[kind][t].tolist()})
-            plan_id = hashlib.sha256(json.dumps([union, targets]).encode()).hexdigest()[:8]
-            fit_id = hashlib.sha256(json.dumps([lams, {kind: selected[kind][targets].tolist() for kind in KINDS}])
-                                    .encode()).hexdigest()[:8]
-            done = checkpoint and f"{checkpoint}.fit-{plan_id}-{fit_id}"   # this group's fits, once made
-            got = load_fits(done, key)
-            if got is None:
-                stats = run_pass(f"pass2-{plan_id}", "layer", union, targets, final=keep_stats)  # named by what it sums
-                skip = {kind: {} for kind in KINDS}
-                got = ({kind: ridge.fit_layers(stats, kind, selected[kind], lams, skip[kind], host=True)
-                        for kind in KINDS}, skip)
-                del stats
-                if done and dist.rank() == 0:
-                    save_fits(done, *got, key)
-                    if not keep_stats and os.path.exists(f"{checkpoint}.pass2-{plan_id}"):
-                        os.remove(f"{checkpoint}.pass2-{plan_id}")                   # its fits hold what it gave
-            for kind in KINDS:                         # each W left the device as it was fitted
-                fits[kind].update(got[0][kind])
-                skipped["fit"][kind].update(got[1][kind])
+        bound = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
+        fits, skipped["fit"] = layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, checkpoint, key, keep_stats)
     elif weights == "attention":
         sel_id = hashlib.sha256(json.dumps({kind: selected[kind].tolist() for kind in KINDS}).encode()).hexdigest()[:8]
         wstats = attnfit.new_weighted_stats(src_cfg, tgt_cfg, selected, device, f"{key}-attn-{sel_id}")
         wstats = accumulate(source, target, calib, wstats, batch_size, checkpoint and f"{checkpoint}.attn-{sel_id}",
                             save_s=save_s, progress=progress, add=attnfit.add_weighted,
                             capture_target=attnfit.capture_weighted)
-        alphas = {kind: {} for kind in KINDS}
+        fits, alphas = {}, {kind: {} for kind in KINDS}
         for kind in KINDS:
             fits[kind] = attnfit.fit_layers(stats, wstats, kind, selected[kind], lams, skipped["fit"][kind], host=True,
                                             alphas=alphas[kind])
         del wstats
     else:
-        for kind in KINDS:
-            fits[kind] = ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
+        fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
+                for kind in KINDS}
     layers = range(tgt_cfg.n_layers)
     W = {kind: torch.stack([fits[kind][t][0] for t in layers]) for kind in KINDS}   # (Lt, G, k*Bx, By) float32, CPU
     b = {kind: torch.stack([fits[kind][t][1] for t in layers]) for kind in KINDS}   # (Lt, G, By)
