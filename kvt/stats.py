@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from kvt import checkpoint, dist
 from kvt.capture import capture, features
-from kvt.config import KvtError, check_matched_kv, matched_kv
+from kvt.config import KvtError, check_matched_kv
 
 KINDS = ("k", "v")
 SPLITS = ("fit", "val")
