@@ -1,15 +1,18 @@
 """kvt: cross-model KV cache transfer, as a readable reference (arXiv 2608.03893).
 
 Stages, in the order data flows (a module never imports from a later one):
-  config, dist, rope, tokenizer, data, weights, cache, model   checkpoints and text -> models
+  config, dist, rope, tokenizer, data, weights                  checkpoints and text
+  checkpoint                                                    kvt's own files: statistics, fits, mappers
+  cache, model                                                  -> models
   scoring                                                       loglikelihood of continuations from a cache
   toy                                                           a tiny trained family for offline use
   family                                                        smaller siblings of a checkpoint: prune, heal
   capture, stats                                                position-free KV -> streamed statistics
+  plan                                                          plan memory, disk and time before heavy work
   ridge, attnfit, mlp                                           fit (attnfit: attention-weighted, kvt's option)
   mapper                                                        apply a map (save, load)
   fast                                                          every speed trick: the fast twins of the above
-  plan, handoff                                                 plan memory, hand a context over
+  handoff                                                       hand a context over
   figures                                                       the layer R^2 map; diagnostics vs retention
   answers, tasks                                                answer metrics; the task registry and items
   summary, evals                                                records -> retention; conditions, the run loop

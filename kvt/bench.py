@@ -48,6 +48,7 @@ from kvt.fast import keep_freed_memory
 from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper, check_pair_weights
 from kvt.model import Transformer, build_model, layer_devices
+from kvt.plan import forward_flops
 from kvt.stats import KINDS, groups
 
 
@@ -58,20 +59,11 @@ def n_params(cfg):
     return sum(p.numel() for p in model.parameters())
 
 
-def prefill_flops(cfg, T):
-    """FLOPs of a prefill of T tokens with logits for the last position only (model(ids, last=True)):
-    2 per weight per token, plus attention's q.k and p.v over the causal half, plus one output row."""
-    embed = cfg.vocab_size * cfg.dim
-    per_token = n_params(cfg) - embed * (1 if cfg.tie_embeddings else 2)  # what each token multiplies through
-    attention = 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * T
-    return 2 * per_token * T + attention + 2 * embed
-
-
 def transfer_flops(tgt, mapper_params, T):
     """FLOPs of a handoff of T tokens to a target of shape tgt: the map for T - 1 tokens (2 per weight of
     the mapper, mapper.n_params(): its W, and its MLP if it has one), then the target's last token,
     which attends over T slots."""
-    return 2 * mapper_params * (T - 1) + prefill_flops(tgt, 1) + 4 * tgt.n_layers * tgt.n_heads * tgt.head_dim * T
+    return 2 * mapper_params * (T - 1) + forward_flops(tgt, 1, last=True) + 4 * tgt.n_layers * tgt.n_heads * tgt.head_dim * T
 
 
 def last_step_bytes(cfg, T, itemsize):
@@ -264,7 +256,7 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
     recompute {(src, tgt): {frac: {n: s}}} (transfer plus recomputing frac of the slots), mapping
     {(src, tgt): {n: s}} (mapper.apply alone, the part of the transfer before the target's last step),
     itemsize {(src, tgt): bytes per weight of the target}, copies {(src, tgt): {n: (s, bytes)}} (copier).
-    flop_limit: the speedup if both sides ran at the same FLOP rate (prefill_flops / transfer_flops).
+    flop_limit: the speedup if both sides ran at the same FLOP rate (plan.forward_flops / transfer_flops).
     rate_limit (with mapping): the speedup if the map ran at the prefill's measured FLOP rate and the
     rest of the transfer, the target's last-token step, took what it took. That step reads every weight
     of the target for one token, so memory bandwidth, not FLOPs, sets its time: what flop_limit leaves
@@ -278,7 +270,7 @@ def rows(prefill, transfer, mappers, device, recompute=None, mapping=None, items
     for n in next(iter(prefill.values())):
         for (src, tgt), t in transfer.items():
             m = mappers[src, tgt]
-            flops = prefill_flops(m.tgt_cfg, n), transfer_flops(m.tgt_cfg, m.n_params(), n)
+            flops = forward_flops(m.tgt_cfg, n, last=True), transfer_flops(m.tgt_cfg, m.n_params(), n)
             speedup, map_s = prefill[tgt][n] / t[n], mapping.get((src, tgt), {}).get(n)
             map_at_prefill_rate = prefill[tgt][n] * 2 * m.n_params() * (n - 1) / flops[0]
             last_bytes = last_step_bytes(m.tgt_cfg, n, itemsize.get((src, tgt), 0))

@@ -29,10 +29,10 @@ import math
 from pathlib import Path
 
 from kvt import tasks
-from kvt.bench import prefill_flops, transfer_flops
+from kvt.bench import transfer_flops
 from kvt.config import KvtError, at_least, command, parse_pair, shape
 from kvt.figures import pyplot
-from kvt.plan import mapper_bytes
+from kvt.plan import forward_flops, mapper_bytes
 
 WAYS = ("prefill", "transfer", "recompute")
 
@@ -154,9 +154,9 @@ def items(records, recompute=None):
 
 def costs(small, large, tokens, scope="layer", k=8, frac=0.0):
     """Per-query FLOPs in units of the large model's prefill: (small prefill, and the escalation by each way)."""
-    big = prefill_flops(large, tokens)
+    big = forward_flops(large, tokens, last=True)
     mapped = transfer_flops(large, sum(mapper_bytes(small, large, scope, k, ("cpu",)).values()) // 4, tokens)
-    return prefill_flops(small, tokens) / big, {"prefill": 1.0, "transfer": mapped / big,
+    return forward_flops(small, tokens, last=True) / big, {"prefill": 1.0, "transfer": mapped / big,
                                                 "recompute": (mapped + frac * big) / big}
 
 
@@ -234,7 +234,7 @@ def main(argv=None):
         raise KvtError(f"--frac {args.frac}: a fraction of the prompt, within [0, 1]")
     names = parse_pair(args.shapes)
     small, large = (shape(n) for n in names)
-    if prefill_flops(small, args.tokens) >= prefill_flops(large, args.tokens):
+    if forward_flops(small, args.tokens, last=True) >= forward_flops(large, args.tokens, last=True):
         raise KvtError(f"--shapes {args.shapes}: {names[0]} is not smaller than {names[1]}; name the small model "
                        f"first, e.g. {names[1]}:{names[0].split('-')[-1]}")
     recompute = args.recompute and (read(args.recompute), check_recompute(args.records, args.recompute))[0]

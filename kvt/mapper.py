@@ -26,19 +26,17 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 import kvt
-from kvt import attnfit, dist, ridge, rope
+from kvt import attnfit, checkpoint, dist, ridge, rope
 from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv, matched_kv
-from kvt.stats import (KINDS, SAVE_S, accumulate, add_batch, candidate_layers, describe_plan, groups, layer_group_bound, memory_plan,
-                       new_stats, sums_bytes)
-from kvt.weights import model_fingerprint, write_safetensors
+from kvt.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
+from kvt.stats import KINDS, SAVE_S, accumulate, add_batch, candidate_layers, groups, new_stats
+from kvt.weights import model_fingerprint
 
 
 @dataclass
@@ -168,7 +166,7 @@ def unflat(y, G):
 def target_groups(selected, bx, by, bound):
     """Target layers split into consecutive groups, each the statistics of one layer-scope pass: a group
     grows while its union of selected source layers (both kinds) and its outputs need no more memory
-    than `bound` = (source layers, target layers) can (stats.layer_group_bound), so no pass exceeds
+    than `bound` = (source layers, target layers) can (plan.layer_group_bound), so no pass exceeds
     what the plan counted, and most hold more target layers than the bound's."""
     n_tgt = selected["k"].shape[0]
     if bound[1] >= n_tgt:
@@ -184,6 +182,39 @@ def target_groups(selected, bx, by, bound):
             out.append([t])
             union = mine
     return out
+
+
+def layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, checkpoint=None, key="", keep_stats=True):
+    """Steps 3 and 4 of calibrate on a matched pair in layer scope: layer-level statistics of only the
+    selected source layers, one pass per group of target layers (target_groups within `bound`), each
+    fitted by ridge as soon as it is complete and then freed. run_pass(name, scope, src_layers,
+    tgt_layers, final) accumulates one pass (calibrate's). With `checkpoint`, a group's fits are saved
+    (CHECKPOINT.fit-<id of its layers>-<id of the fit>) and reused by a run that needs them, and with
+    keep_stats=False its statistics checkpoint is deleted once they are.
+    Returns (fits {kind: {target layer: (W, b, R^2, lambda)}}, skipped {kind: {target layer: [lambdas]}})."""
+    fits, skipped = {kind: {} for kind in KINDS}, {kind: {} for kind in KINDS}
+    G, bx, by = groups(src_cfg, tgt_cfg, "layer")
+    for targets in target_groups(selected, bx, by, bound):
+        union = sorted({l for kind in KINDS for t in targets for l in selected[kind][t].tolist()})
+        plan_id = hashlib.sha256(json.dumps([union, targets]).encode()).hexdigest()[:8]
+        fit_id = hashlib.sha256(json.dumps([lams, {kind: selected[kind][targets].tolist() for kind in KINDS}])
+                                .encode()).hexdigest()[:8]
+        done = checkpoint and f"{checkpoint}.fit-{plan_id}-{fit_id}"   # this group's fits, once made
+        got = load_fits(done, key)
+        if got is None:
+            stats = run_pass(f"pass2-{plan_id}", "layer", union, targets, final=keep_stats)  # named by what it sums
+            skip = {kind: {} for kind in KINDS}
+            got = ({kind: ridge.fit_layers(stats, kind, selected[kind], lams, skip[kind], host=True)
+                    for kind in KINDS}, skip)
+            del stats
+            if done and dist.rank() == 0:
+                save_fits(done, *got, key)
+                if not keep_stats and os.path.exists(f"{checkpoint}.pass2-{plan_id}"):
+                    os.remove(f"{checkpoint}.pass2-{plan_id}")                   # its fits hold what it gave
+        for kind in KINDS:                             # each W left the device as it was fitted
+            fits[kind].update(got[0][kind])
+            skipped[kind].update(got[1][kind])
+    return fits, skipped
 
 
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, checkpoint=None, key="",
@@ -240,49 +271,32 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
                           save_s=save_s, final=final, progress=progress, products=products, add=add)
 
     skipped = {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}  # singular lambdas
+    # 1. statistics over the candidate source layers, head-level where the pair has matched KV
     stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, candidates))
+    # 2. per target layer and kind, the k source layers with the best validation single-layer R^2
     r2_single = {kind: ridge.single_layer_r2(stats, kind, lams, skipped["select"][kind]) for kind in KINDS}
     selected = {kind: select(stats, kind, k, lams) if select else       # default: the paper's top-k
                 ridge.select_layers(r2_single[kind], stats.src_layers, k) for kind in KINDS}
-    fits = {kind: {} for kind in KINDS}
+    # 3. and 4. ridge per target layer and kind (in layer scope on a matched pair: over new layer-level
+    # statistics of the selected layers only)
     if scope == "layer" and matched:
         del stats                                      # free the first pass before the next allocates
-        G, bx, by = groups(src_cfg, tgt_cfg, "layer")
-        parts = target_groups(selected, bx, by, layer_group_bound(src_cfg, tgt_cfg, k, group, candidates))
-        for i, targets in enumerate(parts):
-            union = sorted({l for kind in KINDS for t in targets for l in selected[kind][t].tolist()})
-            plan_id = hashlib.sha256(json.dumps([union, targets]).encode()).hexdigest()[:8]
-            fit_id = hashlib.sha256(json.dumps([lams, {kind: selected[kind][targets].tolist() for kind in KINDS}])
-                                    .encode()).hexdigest()[:8]
-            done = checkpoint and f"{checkpoint}.fit-{plan_id}-{fit_id}"   # this group's fits, once made
-            got = load_fits(done, key)
-            if got is None:
-                stats = run_pass(f"pass2-{plan_id}", "layer", union, targets, final=keep_stats)  # named by what it sums
-                skip = {kind: {} for kind in KINDS}
-                got = ({kind: ridge.fit_layers(stats, kind, selected[kind], lams, skip[kind], host=True)
-                        for kind in KINDS}, skip)
-                del stats
-                if done and dist.rank() == 0:
-                    save_fits(done, *got, key)
-                    if not keep_stats and os.path.exists(f"{checkpoint}.pass2-{plan_id}"):
-                        os.remove(f"{checkpoint}.pass2-{plan_id}")                   # its fits hold what it gave
-            for kind in KINDS:                         # each W left the device as it was fitted
-                fits[kind].update(got[0][kind])
-                skipped["fit"][kind].update(got[1][kind])
+        bound = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
+        fits, skipped["fit"] = layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, checkpoint, key, keep_stats)
     elif weights == "attention":
         sel_id = hashlib.sha256(json.dumps({kind: selected[kind].tolist() for kind in KINDS}).encode()).hexdigest()[:8]
         wstats = attnfit.new_weighted_stats(src_cfg, tgt_cfg, selected, device, f"{key}-attn-{sel_id}")
         wstats = accumulate(source, target, calib, wstats, batch_size, checkpoint and f"{checkpoint}.attn-{sel_id}",
                             save_s=save_s, progress=progress, add=attnfit.add_weighted,
                             capture_target=attnfit.capture_weighted)
-        alphas = {kind: {} for kind in KINDS}
+        fits, alphas = {}, {kind: {} for kind in KINDS}
         for kind in KINDS:
             fits[kind] = attnfit.fit_layers(stats, wstats, kind, selected[kind], lams, skipped["fit"][kind], host=True,
                                             alphas=alphas[kind])
         del wstats
     else:
-        for kind in KINDS:
-            fits[kind] = ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
+        fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
+                for kind in KINDS}
     layers = range(tgt_cfg.n_layers)
     W = {kind: torch.stack([fits[kind][t][0] for t in layers]) for kind in KINDS}   # (Lt, G, k*Bx, By) float32, CPU
     b = {kind: torch.stack([fits[kind][t][1] for t in layers]) for kind in KINDS}   # (Lt, G, By)
@@ -309,24 +323,19 @@ FITS = "kvt-fits-1"
 def save_fits(path, fits, skipped, key):
     """Write one layer-level pass's fits ({kind: {target layer: (W, b, R^2, lambda)}}, float32 on the CPU)
     and its skipped lambdas ({kind: {target layer: [lambdas]}}) atomically, marked with `key`."""
-    tensors = {f"{kind}.{name}.{t}": x.contiguous() for kind, by in fits.items() for t, f in by.items()
+    tensors = {f"{kind}.{name}.{t}": x for kind, by in fits.items() for t, f in by.items()
                for name, x in (("W", f[0]), ("b", f[1]))}
     info = {kind: {t: [f[2], f[3], skipped[kind].get(t)] for t, f in by.items()} for kind, by in fits.items()}
-    write_safetensors(tensors, path, metadata={"format": FITS, "key": key, "fits": json.dumps(info)})
+    checkpoint.save(path, tensors, FITS, {"key": key, "fits": json.dumps(info)})
 
 
 def load_fits(path, key):
     """(fits, skipped) as save_fits wrote them, or None when there is no such file; refuses one made for
     another key, or unreadable, in one line."""
-    if not path or not os.path.exists(path):
+    got = checkpoint.load(path, FITS, "fit checkpoint", "delete it to fit again", key)
+    if got is None:
         return None
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta, t = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise KvtError(f"fit checkpoint {path} is unreadable ({str(e).splitlines()[0]}); delete it to fit again")
-    if meta.get("format") != FITS or meta.get("key") != key:
-        raise KvtError(f"fit checkpoint {path} was made for another pair or settings; delete it to fit again")
+    t, meta = got
     info = json.loads(meta["fits"])
     fits = {kind: {int(l): (t[f"{kind}.W.{l}"], t[f"{kind}.b.{l}"], r2, lam) for l, (r2, lam, _) in by.items()}
             for kind, by in info.items()}
@@ -396,8 +405,7 @@ def add_mlp(mapper, source, target, calib, mode="replace", hidden=None, max_byte
                 p, loss = mlp_.train(*_mlp_data(mapper, kind, l, *data["fit"][kind], mode),
                                      *_mlp_data(mapper, kind, l, *data["val"][kind], mode), hidden=hidden, **train_kw)
                 if path and dist.rank() == 0:                             # every rank trains the same MLP
-                    write_safetensors({name: w.contiguous() for name, w in p.items()}, path,
-                                      metadata={"format": MLP_CHECKPOINT, "key": key})
+                    save_mlp_checkpoint(path, p, key)
                 if progress:
                     print(f"mlp ({mode}) {kind} layer {l}: validation loss {loss:.4f} (fraction of variance left)")
             params.append(p)
@@ -409,21 +417,17 @@ def add_mlp(mapper, source, target, calib, mode="replace", hidden=None, max_byte
 MLP_CHECKPOINT = "kvt-mlp-checkpoint-1"
 
 
+def save_mlp_checkpoint(path, p, key):
+    """Write one MLP's weights ({"w0": ..., "b0": ...}) atomically, marked with `key`."""
+    checkpoint.save(path, p, MLP_CHECKPOINT, {"key": key})
+
+
 def load_mlp_checkpoint(path, key):
     """One MLP that add_mlp saved as it finished ({"w0": ..., "b0": ...}), or None if there is none;
     refuses one made for other settings, or unreadable, in one line."""
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-            p = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise KvtError(f"MLP checkpoint {path} is unreadable ({str(e).splitlines()[0]}); delete it to train that MLP again")
-    if meta.get("format") != MLP_CHECKPOINT or meta.get("key") != key:
-        raise KvtError(f"MLP checkpoint {path} was made for another pair, mapper or settings; delete the "
-                       f"{os.path.basename(path).rsplit('-', 1)[0]}-* files to train again")
-    return p
+    fix = f"delete the {os.path.basename(str(path)).rsplit('-', 1)[0]}-* files to train again"
+    got = checkpoint.load(path, MLP_CHECKPOINT, "MLP checkpoint", fix, key, other="another pair, mapper or settings")
+    return None if got is None else got[0]
 
 
 def _mlp_data(mapper, kind, l, xs, ys, mode):
@@ -442,30 +446,22 @@ FORMAT = "kvt-mapper-2"  # 2: disjoint calibration regions, standardized ridge w
 
 def save_mapper(mapper, path, dtype=torch.float32):
     """Write a mapper as safetensors with its pair's metadata, atomically; dtype=torch.bfloat16 halves it."""
-    tensors = {name: (t.to(dtype) if t.is_floating_point() else t).contiguous()
-               for name, t in mapper.to("cpu").tensors().items()}
-    meta = {"format": FORMAT, "kvt_version": kvt.__version__, "scope": mapper.scope, "mlp": mapper.mlp_mode,
+    tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in mapper.to("cpu").tensors().items()}
+    meta = {"kvt_version": kvt.__version__, "scope": mapper.scope, "mlp": mapper.mlp_mode,
             "src_config": json.dumps(asdict(mapper.src_cfg)), "tgt_config": json.dumps(asdict(mapper.tgt_cfg)),
             "src_fingerprint": mapper.src_cfg.fingerprint(), "tgt_fingerprint": mapper.tgt_cfg.fingerprint(),
             "tokenizer": str(mapper.meta.get("tokenizer", "")), "meta": json.dumps(mapper.meta)}
-    write_safetensors(tensors, path, metadata=meta)
+    checkpoint.save(path, tensors, FORMAT, meta)
 
 
 def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.float32, device="cpu", key=None):
     """Read a mapper; refuse one fitted for another source, target or tokenizer (fingerprints), for
     other weights, data or settings (`key`, what the caller made it from: meta["key"]), one written by
     another version of kvt, and a file that is not a mapper, each with one line."""
-    if not os.path.exists(path):
+    got = checkpoint.load(path, FORMAT, "mapper", "delete it and calibrate again", device=device)
+    if got is None:
         raise KvtError(f"no mapper at {path}; calibrate one first")
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        t = load_file(str(path), device=str(device))
-    except (SafetensorError, OSError) as e:
-        raise KvtError(f"{path} is not a readable mapper file ({str(e).splitlines()[0]}); delete it and calibrate again")
-    if meta.get("format") != FORMAT:
-        raise KvtError(f"{path} is not a kvt mapper of this version (format {meta.get('format', 'unknown')}, "
-                       f"need {FORMAT}); delete it and calibrate again")
+    t, meta = got
     for what, cfg, entry in (("source", src_cfg, "src_fingerprint"), ("target", tgt_cfg, "tgt_fingerprint")):
         if cfg is not None and cfg.fingerprint() != meta[entry]:
             raise KvtError(f"mapper {path} was fitted for another {what} model (fingerprint {meta[entry]}, this "

@@ -314,13 +314,17 @@ def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=
     return out
 
 
+def layer_device(l, n_layers, devices):
+    """The device of layer l of a model split by contiguous layers across devices (place)."""
+    return devices[l * len(devices) // n_layers]                   # layer l -> device floor(l * n / L)
+
+
 def _parts(model, devices):
     """(module, device) for every part of the model split by contiguous layers across devices: the
     embedding and the first layers on devices[0], the final norm and lm_head on devices[-1]."""
-    L, n = model.config.n_layers, len(devices)
     yield model.model.embed_tokens, devices[0]
     for l, block in enumerate(model.model.layers):
-        yield block, devices[l * n // L]                           # layer l -> device floor(l * n / L)
+        yield block, layer_device(l, model.config.n_layers, devices)
     yield model.model.norm, devices[-1]
     yield model.lm_head, devices[-1]
 

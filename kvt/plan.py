@@ -10,13 +10,14 @@
     python -m kvt.plan --pair qwen3-14b:32b --summary              # H100/H200 x 1, 2, 4, 8
 
 Every row is a closed-form count of numbers times bytes per number, on the device where kvt puts it.
-model.place splits n devices by contiguous layers: layer l on devices[l * n // L], the embedding on
-the first, the final norm and lm_head on the last. With C = dim, F = ffn_dim, V = vocab, N = B * T:
+model.place splits n devices by contiguous layers (model.layer_device: layer l on devices[l * n // L]),
+the embedding on the first, the final norm and lm_head on the last. With C = dim, F = ffn_dim, V = vocab,
+N = B * T:
 
   weights      embedding V*C; per layer C*(2*H*D + 2*Hkv*D) + 3*C*F + 2*C (+ 2*D: Qwen3's q/k norms);
                final norm C; lm_head V*C (one shared tensor when tied and on one device)
   statistics   per pass 4 * (G*F^2 + G*F*O + G*F + 2*G*O + 1) sums (K, V x fit, validation; G groups,
-               F features, O outputs; see stats.memory_plan), plus one batch of features, on the
+               F features, O outputs; see memory_plan), plus one batch of features, on the
                statistics' device (the first). Layer scope may split its second pass into several
                passes over groups of target layers (split_to_fit): more passes over the data, less memory
   KV           2 * N * Hkv * D per layer, with its layer (3x while calibration strips RoPE from keys)
@@ -47,7 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from kvt.config import KvtError, at_least, check_matched_kv, command, matched_kv, parse_pair, shape
-from kvt.stats import candidate_layers, groups, layer_group_bound, memory_plan, sums_bytes
+from kvt.model import layer_device
+from kvt.stats import candidate_layers, groups, holds
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
 USABLE = 0.92                                            # of each device; the rest: CUDA context, cuBLAS and
@@ -87,10 +89,6 @@ def canonical(device):
 
 def nbytes(dtype):
     return torch.empty((), dtype=dtype).element_size()
-
-
-def layer_device(l, n_layers, devices):
-    return devices[l * len(devices) // n_layers]                  # model.place's rule
 
 
 def per_layer(n_layers, devices, count):
@@ -147,6 +145,65 @@ def working_bytes(src_cfg, tgt_cfg, devices, tokens, dtype=torch.float32):
         copies = one * src_cfg.n_layers - own.get(d, 0) if d in maps else 0    # the source layers kept elsewhere
         out[d] = own.get(d, 0) + copies
     return out
+
+
+# ---- calibration's statistics: what each pass holds --------------------------------------------------
+
+def sums_bytes(G, F, O, itemsize=8):
+    """Bytes of the four Sums (K, V x fit, val) of one Stats (float64: itemsize 8; float32: 4)."""
+    return 4 * itemsize * (G * F * F + G * F * O + G * F + 2 * G * O + 1)
+
+
+def pass_bytes(G, F, O, batch_tokens, itemsize=8, held=False):
+    """Sums of one pass, the float32 products held for K and V where they are (holds(); `held`), and one
+    batch of features for K and V (and their centered copies)."""
+    pending = sums_bytes(G, F, O, 4) // 2 if held else 0
+    return sums_bytes(G, F, O, itemsize) + pending + 2 * 8 * batch_tokens * G * (F + O)
+
+
+def layer_group_bound(src_cfg, tgt_cfg, k, group, candidates=None):
+    """(source layers, target layers) at most in one layer-scope pass of `group` target layers: the
+    union of their selections has at most min(candidates, k * group) source layers."""
+    C = len(candidate_layers(src_cfg.n_layers, candidates))
+    group = min(group or tgt_cfg.n_layers, tgt_cfg.n_layers)
+    return min(C, k * group), group
+
+
+def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None, dtype=torch.float64, group=None,
+                device="cpu"):
+    """[(pass, bytes)]: what calibration holds in memory, besides the two models.
+
+    Head scope: one pass over the C candidate source layers (all L_src unless `candidates`). Layer scope
+    on a matched-KV pair: a head-level pass to select layers, then layer-level passes, one per group of
+    target layers, each over the union of its selected layers (a group of g target layers: at most
+    min(C, k * g) source layers; `group` = g, default all target layers in one pass; the bound is what
+    is shown). Layer scope on other pairs: one layer-level pass over the C candidates. The passes run one
+    after the other (each is freed before the next). Each also holds one batch of features, and on a
+    CPU `device` the float32 products of the batches since the last flush (Pending)."""
+    check_matched_kv(src_cfg, tgt_cfg, scope)
+    C, Lt = len(candidate_layers(src_cfg.n_layers, candidates)), tgt_cfg.n_layers
+    matched = matched_kv(src_cfg, tgt_cfg)
+    size, held = torch.empty((), dtype=dtype).element_size(), holds(device, dtype)
+    rows = []
+    if matched:  # head-level statistics over the candidate source layers (the whole of head scope)
+        G, bx, by = groups(src_cfg, tgt_cfg, "head")
+        rows.append((f"head statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size, held)))
+    if scope == "layer":
+        G, bx, by = groups(src_cfg, tgt_cfg, "layer")
+        if matched:
+            U, g = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
+            passes = -(-Lt // g)
+            what = f"layer statistics, {g} target x <={U} source layers" + (f", <={passes} passes" if passes > 1 else "")
+            rows.append((what, pass_bytes(G, U * bx, g * by, batch_tokens, size, held)))
+        else:
+            rows.append((f"layer statistics, {C} source layers",
+                         pass_bytes(G, C * bx, Lt * by, batch_tokens, size, held)))
+    return rows
+
+
+def describe_plan(rows):
+    """The plan as printable lines."""
+    return "\n".join(f"  {name:<45} {nbytes / 2**30:8.2f} GiB" for name, nbytes in rows)
 
 
 def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat16, devices=("cpu",), batch=1,
@@ -443,12 +500,13 @@ EVAL_TOKENS = {"hellaswag": (166, 0), "arc_easy": (42, 0), "arc_challenge": (55,
                "gsm8k": (765, 256), "coqa": (487, 576)}
 
 
-def forward_flops(cfg, T):
+def forward_flops(cfg, T, last=False):
     """FLOPs of one forward over T tokens without logits (calibration's capture): 2 per weight per token
-    (the embedding looked up, not multiplied) plus attention's causal q.k and p.v (kvt.bench.prefill_flops
-    less its one output row)."""
-    per_token = sum(weight_bytes(cfg, ["cpu"], torch.int8).values()) - cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
-    return 2 * per_token * T + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * T
+    (the embedding looked up, not multiplied) plus attention's causal q.k and p.v over the causal half.
+    last=True: a prefill with logits for the last position only (model(ids, last=True)), one output row more."""
+    embed = cfg.vocab_size * cfg.dim
+    per_token = sum(weight_bytes(cfg, ["cpu"], torch.int8).values()) - embed * (1 if cfg.tie_embeddings else 2)
+    return 2 * per_token * T + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * T + (2 * embed if last else 0)
 
 
 def weight_reads(cfg, dtype=torch.bfloat16):

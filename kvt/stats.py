@@ -1,4 +1,4 @@
-"""Streamed sufficient statistics for the ridge fit, with checkpoint/resume and a memory plan.
+"""Streamed sufficient statistics for the ridge fit, with checkpoint/resume.
 
 The closed-form fit of y from x (ridge.py) needs only sums over tokens, never the tokens themselves:
 
@@ -31,13 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from kvt import dist
+from kvt import checkpoint, dist
 from kvt.capture import capture, features
-from kvt.config import KvtError, check_matched_kv, matched_kv
-from kvt.weights import write_safetensors
+from kvt.config import KvtError, check_matched_kv
 
 KINDS = ("k", "v")
 SPLITS = ("fit", "val")
@@ -266,12 +264,11 @@ def zero_(stats):
 
 
 def save_stats(stats, path):
-    """Write stats to a safetensors file atomically (tmp file, then rename)."""
+    """Write stats to a safetensors file atomically (checkpoint.save)."""
     check_finite(stats)
-    tensors = {f"{name}.{f}": getattr(s, f).contiguous() for name, s in stats.sums.items() for f in FIELDS}
-    meta = {"format": FORMAT, "plan": json.dumps(stats.plan()), "seen": str(stats.seen), "data": stats.data,
-            "key": stats.key}
-    write_safetensors(tensors, path, metadata=meta)
+    tensors = {f"{name}.{f}": getattr(s, f) for name, s in stats.sums.items() for f in FIELDS}
+    checkpoint.save(path, tensors, FORMAT, {"plan": json.dumps(stats.plan()), "seen": str(stats.seen),
+                                            "data": stats.data, "key": stats.key})
 
 
 def load_stats(path, like=None, device=None):
@@ -279,27 +276,18 @@ def load_stats(path, like=None, device=None):
     plan, key or format), and read the sums into like's own tensors (one tensor at a time, so memory
     never holds two copies); returns like."""
     names = [f"{k}.{s}" for k in KINDS for s in SPLITS]
-    try:
-        f = safe_open(str(path), "pt", device=str(device or "cpu"))
-    except (SafetensorError, OSError) as e:
-        raise KvtError(f"statistics checkpoint {path} is unreadable ({str(e).splitlines()[0]}); delete it to "
-                       "recalibrate from the start")
+    fix = "delete it to recalibrate"
+    f, meta = checkpoint.open_(path, FORMAT, "statistics checkpoint", fix, None if like is None else like.key,
+                               device or "cpu")
     with f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise KvtError(f"{path} is not a kvt statistics checkpoint of this version (format "
-                           f"{meta.get('format', 'unknown')}, need {FORMAT}); delete it to recalibrate")
         plan = json.loads(meta["plan"])
         if like is None:
             sums = {name: Sums(*(f.get_tensor(f"{name}.{fld}") for fld in FIELDS)) for name in names}
             stats = Stats(plan["scope"], plan["src_layers"], plan["tgt_layers"], plan["bx"], plan["by"], sums)
         else:
-            if meta["key"] != like.key:
-                raise KvtError(f"statistics checkpoint {path} was made for another pair or settings "
-                               f"({meta['key'] or 'no key'}, not {like.key or 'no key'}); delete it to recalibrate")
             if plan != like.plan():
                 raise KvtError(f"statistics checkpoint {path} is for another calibration plan ({plan}, not "
-                               f"{like.plan()}); delete it to recalibrate")
+                               f"{like.plan()}); {fix}")
             for name in names:
                 for fld in FIELDS:
                     getattr(like.sums[name], fld).copy_(f.get_tensor(f"{name}.{fld}"))
@@ -316,62 +304,3 @@ def check_finite(stats):
             if not torch.isfinite(getattr(s, f)).all():
                 raise KvtError(f"calibration statistics {name}.{f} contain NaN/inf: a model produced non-finite KV; "
                                "run the models in float32 (--dtype float32) and recalibrate")
-
-
-# ---- memory plan -------------------------------------------------------------------------------------
-
-def sums_bytes(G, F, O, itemsize=8):
-    """Bytes of the four Sums (K, V x fit, val) of one Stats (float64: itemsize 8; float32: 4)."""
-    return 4 * itemsize * (G * F * F + G * F * O + G * F + 2 * G * O + 1)
-
-
-def pass_bytes(G, F, O, batch_tokens, itemsize=8, held=False):
-    """Sums of one pass, the float32 products held for K and V where they are (holds(); `held`), and one
-    batch of features for K and V (and their centered copies)."""
-    pending = sums_bytes(G, F, O, 4) // 2 if held else 0
-    return sums_bytes(G, F, O, itemsize) + pending + 2 * 8 * batch_tokens * G * (F + O)
-
-
-def layer_group_bound(src_cfg, tgt_cfg, k, group, candidates=None):
-    """(source layers, target layers) at most in one layer-scope pass of `group` target layers: the
-    union of their selections has at most min(candidates, k * group) source layers."""
-    C = len(candidate_layers(src_cfg.n_layers, candidates))
-    group = min(group or tgt_cfg.n_layers, tgt_cfg.n_layers)
-    return min(C, k * group), group
-
-
-def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None, dtype=torch.float64, group=None,
-                device="cpu"):
-    """[(pass, bytes)]: what calibration holds in memory, besides the two models.
-
-    Head scope: one pass over the C candidate source layers (all L_src unless `candidates`). Layer scope
-    on a matched-KV pair: a head-level pass to select layers, then layer-level passes, one per group of
-    target layers, each over the union of its selected layers (a group of g target layers: at most
-    min(C, k * g) source layers; `group` = g, default all target layers in one pass; the bound is what
-    is shown). Layer scope on other pairs: one layer-level pass over the C candidates. The passes run one
-    after the other (each is freed before the next). Each also holds one batch of features, and on a
-    CPU `device` the float32 products of the batches since the last flush (Pending)."""
-    check_matched_kv(src_cfg, tgt_cfg, scope)
-    C, Lt = len(candidate_layers(src_cfg.n_layers, candidates)), tgt_cfg.n_layers
-    matched = matched_kv(src_cfg, tgt_cfg)
-    size, held = torch.empty((), dtype=dtype).element_size(), holds(device, dtype)
-    rows = []
-    if matched:  # head-level statistics over the candidate source layers (the whole of head scope)
-        G, bx, by = groups(src_cfg, tgt_cfg, "head")
-        rows.append((f"head statistics, {C} source layers", pass_bytes(G, C * bx, Lt * by, batch_tokens, size, held)))
-    if scope == "layer":
-        G, bx, by = groups(src_cfg, tgt_cfg, "layer")
-        if matched:
-            U, g = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
-            passes = -(-Lt // g)
-            what = f"layer statistics, {g} target x <={U} source layers" + (f", <={passes} passes" if passes > 1 else "")
-            rows.append((what, pass_bytes(G, U * bx, g * by, batch_tokens, size, held)))
-        else:
-            rows.append((f"layer statistics, {C} source layers",
-                         pass_bytes(G, C * bx, Lt * by, batch_tokens, size, held)))
-    return rows
-
-
-def describe_plan(rows):
-    """The plan as printable lines."""
-    return "\n".join(f"  {name:<45} {nbytes / 2**30:8.2f} GiB" for name, nbytes in rows)

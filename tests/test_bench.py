@@ -7,6 +7,7 @@ import kvt
 from kvt import bench as B
 from kvt.bench import bench, bench_lean, random_mapper, token_ids, transfer_step
 from kvt.handoff import Recompute, handoff
+from kvt.plan import forward_flops
 from tests.conftest import tiny_config
 
 SMALL, LARGE = tiny_config(n_layers=2), tiny_config(n_layers=3, dim=96)
@@ -46,7 +47,7 @@ def test_rate_limit_prices_the_map_at_the_prefills_flop_rate():
     with the last step's FLOPs (transfer_flops: a tiny model's last step is much of them) or leaving
     the last step's measured time out."""
     fwd, n, prefill, last = random_mapper(SMALL, LARGE, k=2), 16, 10.0, 0.4
-    at_rate = prefill * 2 * fwd.n_params() * (n - 1) / B.prefill_flops(LARGE, n)  # the map's FLOPs at that rate
+    at_rate = prefill * 2 * fwd.n_params() * (n - 1) / forward_flops(LARGE, n, last=True)  # the map's FLOPs at that rate
 
     def row(map_s):
         return B.rows({"s": {n: B.Timing([1.0])}, "l": {n: B.Timing([prefill])}},
@@ -106,7 +107,7 @@ def test_roofline_prices_the_map_at_the_prefills_rate_and_the_last_step_at_the_c
     cfg, fwd, n = LARGE, random_mapper(SMALL, LARGE, k=2), 16
     moved, last = 2 * 2**20, B.last_step_bytes(LARGE, n, 4)
     prefill, copy = B.Timing([10.0, 20.0, 12.0]), B.Timing([1e-3, 3e-3, 2e-3])
-    share = 2 * fwd.n_params() * (n - 1) / B.prefill_flops(cfg, n)              # map FLOPs / prefill FLOPs
+    share = 2 * fwd.n_params() * (n - 1) / forward_flops(cfg, n, last=True)              # map FLOPs / prefill FLOPs
 
     def row(slow):
         transfer = B.Timing([p * share + slow * last * c / moved for p, c in zip(prefill.times, copy.times)])

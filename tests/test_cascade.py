@@ -5,7 +5,7 @@ import math
 import pytest
 
 from kvt import cascade
-from kvt.bench import prefill_flops
+from kvt.plan import forward_flops
 from kvt.config import KvtError, shape
 
 
@@ -53,7 +53,7 @@ def test_costs_are_in_large_prefills():
     """Guards: the small prefill priced as the large one, and transfer priced above a prefill."""
     small, large = shape("qwen3-0.6b"), shape("qwen3-1.7b")
     base, esc = cascade.costs(small, large, 4096, frac=0.25)
-    assert base == pytest.approx(prefill_flops(small, 4096) / prefill_flops(large, 4096)) and 0.2 < base < 0.6
+    assert base == pytest.approx(forward_flops(small, 4096, last=True) / forward_flops(large, 4096, last=True)) and 0.2 < base < 0.6
     assert esc["prefill"] == 1.0 and 0 < esc["transfer"] < 0.5     # layer scope: a mapper of 470M parameters
     assert esc["recompute"] == pytest.approx(esc["transfer"] + 0.25)
     _, head = cascade.costs(small, large, 4096, scope="head")

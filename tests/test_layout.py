@@ -5,8 +5,8 @@ from pathlib import Path
 import kvt
 
 KVT = Path(kvt.__file__).parent
-ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "cache", "model", "scoring", "toy", "family",
-         "capture", "stats", "ridge", "attnfit", "mlp", "mapper", "fast", "plan", "handoff", "figures",
+ORDER = ["config", "dist", "rope", "tokenizer", "data", "weights", "checkpoint", "cache", "model", "scoring", "toy", "family",
+         "capture", "stats", "plan", "ridge", "attnfit", "mlp", "mapper", "fast", "handoff", "figures",
          "answers", "tasks", "summary", "evals", "bench", "cascade", "hf", "pipeline", "cli", "lm_eval", "serving", "course"]
 
 

@@ -8,8 +8,9 @@ import kvt
 from kvt.config import KvtError, shape
 from kvt.mapper import calibrate
 from kvt.model import Transformer, place
-from kvt.plan import GPUS, USABLE, calibration_passes, capacity, check_plan, fits, plan, split_to_fit, weight_bytes
-from kvt.stats import memory_plan, new_stats
+from kvt.plan import (GPUS, USABLE, calibration_passes, capacity, check_plan, fits, memory_plan, plan, split_to_fit,
+                      weight_bytes)
+from kvt.stats import new_stats
 
 GiB = 2**30
 PAIRS = [("qwen3-14b", "qwen3-32b"), ("llama3.1-8b", "llama3.1-70b")]

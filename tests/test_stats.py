@@ -1,4 +1,4 @@
-"""stats.py: streamed sums equal the batch computation, resume is bit-identical, the memory plan adds up."""
+"""stats.py: streamed sums equal the batch computation, resume is bit-identical; plan.memory_plan adds up."""
 import pytest
 import torch
 from conftest import calib_of, tiny_config
@@ -11,7 +11,8 @@ from kvt.data import Calibration
 from kvt.mapper import calibrate
 from kvt import fast
 from kvt.fast import Pending
-from kvt.stats import FIELDS, Sums, accumulate, load_stats, memory_plan, new_stats, save_stats
+from kvt.plan import memory_plan
+from kvt.stats import FIELDS, Sums, accumulate, load_stats, new_stats, save_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
