@@ -13,19 +13,23 @@ pairs: 200 of 256 from the toy corpus, the length toy models are trained on). Wh
 beyond the paper they say so: the ridge lambda is picked per target layer and kind on a validation
 region (the paper states none), and features are standardized (ridge.py).
 
-Steps, each a call into one kvt stage:
-  1. checks before heavy work: the pair is matched-KV (or --scope layer), both tokenizers are the same,
-     weights and task data are present, the contexts fit the models, the memory plan fits;
-  2. calibration sequences in three disjoint regions (data.py) -> statistics, layer selection, ridge
-     (mapper.calibrate), saved to OUT/mapper-<settings>.safetensors and reused when it exists;
-     `--mapper mlp` swaps ridge for the paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
-  3. diagnostics on the diagnostics region and the gate (handoff.py);
-  4. every task (tasks.py; --task-file adds the user's own) under target / transfer / source / floor
-     (evals.py) on one seeded sample of items, one record per item and condition appended to
-     OUT/records-<settings>.jsonl as it is computed, so an interrupted run resumes;
-  5. prefill vs transfer timings (bench.py);
-  6. OUT/results.json (kvt's numbers, the same in lm-evaluation-harness's layout per condition under
-     "lm_eval", and the versions and hardware behind them) and OUT/report.md, and the tables on stdout.
+The command line becomes one Settings (frozen: no step changes it); run() then calls the steps in turn,
+each a function here calling into one kvt stage:
+  1. checks before heavy work (task_list, open_devices, check_pair, calibration, plan_memory, check_out,
+     load_pair): the pair is matched-KV (or --scope layer), both tokenizers are the same, weights and task
+     data are present, the contexts fit the models, the memory plan fits; the calibration sequences in
+     three disjoint regions (data.py);
+  2. get_mapper: statistics, layer selection, ridge (mapper.calibrate), saved to
+     OUT/mapper-<settings>.safetensors and reused when it exists; `--mapper mlp` swaps ridge for the
+     paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
+  3. check_mapper: diagnostics on the diagnostics region and the gate (handoff.py);
+  4. batch_size, evaluate (evaluate_back: CoQA the other way): every task (tasks.py; --task-file adds the
+     user's own) under target / transfer / source / floor (evals.py) on one seeded sample of items, one
+     record per item and condition appended to OUT/records-<settings>.jsonl as it is computed, so an
+     interrupted run resumes; measure_context_gain for --heldout;
+  5. run_bench: prefill vs transfer timings (bench.py);
+  6. report: OUT/results.json (kvt's numbers, the same in lm-evaluation-harness's layout per condition
+     under "lm_eval", and the versions and hardware behind them) and OUT/report.md, and the tables on stdout.
 A problem the user can fix is one line on stderr and exit code 2.
 """
 import argparse
@@ -651,12 +655,6 @@ def main(argv=None):
         torch.set_num_threads(threads)
 
 
-def toy_calibration_text(s):
-    """The toy corpus's documents to calibrate a toy pair on when no --calib is given (seed 99: unseen
-    in training, which used seed 0), else None."""
-    return toy.corpus(2000, seed=99) if s.toy and not s.calib else None
-
-
 def run(s, src_dir, tgt_dir, src_name, tgt_name, out):
     """The steps of the module docstring, in order, each a function below; `s` is the run's Settings."""
     t0, names = time.time(), (src_name, tgt_name)
@@ -669,15 +667,18 @@ def run(s, src_dir, tgt_dir, src_name, tgt_name, out):
              for task in task_names}
     calib = calibration(s, tok, out)
     plans, cap = plan_memory(s, src_cfg, tgt_cfg, names, "coqa" in items, lengths, dtype, devices)
-    skeys = {"forward": stats_key(s, src_dir, tgt_dir, calib),                 # what each mapper's statistics
-             **({"back": stats_key(s, tgt_dir, src_dir, calib)} if "back" in plans else {})}  # depend on
+    skeys = {"forward": stats_key(s, src_dir, tgt_dir, calib)}     # what each mapper's statistics depend on
+    if "back" in plans:
+        skeys["back"] = stats_key(s, tgt_dir, src_dir, calib)
     check_out(s, out, plans, skeys)
     source, target = load_pair(src_dir, tgt_dir, names, dtype, devices)
 
-    # 2-3. mapper and its diagnostics, with its weights where the target keeps each layer
+    # 2. the mapper, with its weights where the target keeps each layer
     mapper, name = get_mapper(s, source, target, tok, calib, out, skeys["forward"], dtype,
                               plans["forward"].options["group"])
     mapper = mapper.place(layer_devices(target))
+
+    # 3. its diagnostics and the gate
     diag, fit, reasons = check_mapper(s, mapper)
 
     # 4. evaluation, all conditions on the same items
@@ -760,6 +761,12 @@ def calibration(s, tok, out):
                        "e.g. ../shared/data, or pass --calib with your own .txt/.jsonl/.json files or folders")
     return calibration_sequences(s.calib, tok, s.calib_seqs, s.calib_len, seed=s.seed, documents=toy_text,
                                  cache=None if toy_text else out, progress=dist.rank() == 0)
+
+
+def toy_calibration_text(s):
+    """The toy corpus's documents to calibrate a toy pair on when no --calib is given (seed 99: unseen
+    in training, which used seed 0), else None."""
+    return toy.corpus(2000, seed=99) if s.toy and not s.calib else None
 
 
 def plan_memory(s, src_cfg, tgt_cfg, names, coqa, lengths, dtype, devices):
