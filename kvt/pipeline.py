@@ -157,8 +157,6 @@ class Settings:
 
 def parse_args(argv=None):
     """argparse's namespace of a `kvt run` command line (Settings.from_args makes the run's Settings of it)."""
-    d = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
-         for f in dataclasses.fields(Settings)}                      # every default is Settings' own
     ap = argparse.ArgumentParser(prog="kvt run", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", help="FAMILY-SRC:TGT, read from WEIGHTS/<name> (default: the toy family)")
