@@ -684,8 +684,8 @@ def run(s, src_dir, tgt_dir, src_name, tgt_name, out):
     records, header = evaluate(s, items, tok, source, target, mapper, name, out, dtype, batch)
     coqa = {}
     if "coqa" in items:  # the other direction: the large model hands the conversation to the small one
-        back = evaluate_back(s, items, tok, source, target, calib, out, skeys["back"], dtype, plans["back"], header,
-                             batch)
+        back = evaluate_back(s, items, tok, source, target, calib, out, skeys["back"], dtype,
+                             plans["back"].options["group"], header, batch)
         coqa = {" -> ".join(names): coqa_result(records), " -> ".join(names[::-1]): coqa_result(back)}
     if dist.rank() != 0:
         return dist.close()
@@ -842,9 +842,9 @@ def evaluate(s, items, tok, source, target, mapper, name, out, dtype, batch):
     return run_tasks(items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header, batch), header
 
 
-def evaluate_back(s, items, tok, source, target, calib, out, skey, dtype, plan, header, batch):
+def evaluate_back(s, items, tok, source, target, calib, out, skey, dtype, group, header, batch):
     """CoQA the other way, target -> source, with a mapper of its own (get_mapper). Returns its records."""
-    back, back_name = get_mapper(s, target, source, tok, calib, out, skey, dtype, plan.options["group"])
+    back, back_name = get_mapper(s, target, source, tok, calib, out, skey, dtype, group)
     back = back.place(layer_devices(source))
     rev_header = dict(header, mapper=back_name)
     conds = {"target": evals.Condition(source, plain=s.plain),
@@ -874,20 +874,20 @@ def report(s, names, out, mapper, name, calib, check, records, coqa, gains, rows
     table = format_summary(summary, average, src_name, tgt_name)
     k_used = mapper.meta.get("k", s.k)
     lines = [f"# kvt: {src_name} -> {tgt_name}", "",
-              f"mapper: {name}, {s.mapper}, {s.scope} scope, {s.token_weights} weights, k={k_used}"
-              + (f" (of {s.k} asked; the source has {mapper.src_cfg.n_layers} layers)" if k_used != s.k else "")
-              + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
-              f"{s.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
-              f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
-              *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
-                 f"{recompute.first} and {100 * recompute.frac:g}% "
-                 f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
-                if recompute else []),
-              f"items: a seeded sample (seed {s.seed}) of up to {s.limit} per task"
-              + "".join(f", {t} {n}" for t, n in s.task_limits.items()) + ", the same for every condition", "",
-              "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
-              "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
-              "## Accuracy (%, 95% interval) and retention", "", table]
+             f"mapper: {name}, {s.mapper}, {s.scope} scope, {s.token_weights} weights, k={k_used}"
+             + (f" (of {s.k} asked; the source has {mapper.src_cfg.n_layers} layers)" if k_used != s.k else "")
+             + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
+             f"{s.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
+             f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
+             *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
+                f"{recompute.first} and {100 * recompute.frac:g}% "
+                f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
+               if recompute else []),
+             f"items: a seeded sample (seed {s.seed}) of up to {s.limit} per task"
+             + "".join(f", {t} {n}" for t, n in s.task_limits.items()) + ", the same for every condition", "",
+             "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
+             "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
+             "## Accuracy (%, 95% interval) and retention", "", table]
     if gains:
         lines += ["", "## Context gain kept (held-out next-token NLL, nats; 95% interval over windows)", "",
                    format_context_gain(gains)]
