@@ -86,16 +86,14 @@ def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, ca
                data_dir=None):
     """The mapper `kvt run --source SRC --target TGT --out OUT` makes with its defaults: reused from OUT
     when it is there, else calibrated and saved there (pipeline.get_mapper)."""
-    args = pipeline.parse_args(["--source", str(src_dir), "--target", str(tgt_dir), "--out", str(out)]
-                               + (["--data-dir", str(data_dir)] if data_dir else []))
-    is_toy = Path(src_dir).name.startswith("toy-")
-    args.calib, args.calib_seqs, args.calib_len = [Path(calib)] if calib else [], calib_seqs or None, calib_len or None
-    pipeline.calibration_defaults(args, is_toy)                       # the defaults of pipeline.run, for a pair
-    seqs = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed,
-                                 documents=pipeline.toy_calibration_text(args, is_toy))
-    skey = pipeline.stats_key(args, Path(src_dir), Path(tgt_dir), seqs)
+    s = pipeline.Settings(source=Path(src_dir), target=Path(tgt_dir), out=Path(out),   # the run's defaults, for a pair
+                          calib=[Path(calib)] if calib else None, calib_seqs=calib_seqs or None,
+                          calib_len=calib_len or None, **({"data_dir": Path(data_dir)} if data_dir else {}))
+    seqs = calibration_sequences(s.calib, tok, s.calib_seqs, s.calib_len, seed=s.seed,
+                                 documents=pipeline.toy_calibration_text(s))
+    skey = pipeline.stats_key(s, Path(src_dir), Path(tgt_dir), seqs)
     Path(out).mkdir(parents=True, exist_ok=True)
-    mapper, _ = pipeline.get_mapper(args, source, target, tok, seqs, Path(out), skey, dtype)
+    mapper, _ = pipeline.get_mapper(s, source, target, tok, seqs, Path(out), skey, dtype)
     return mapper
 
 

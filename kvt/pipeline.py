@@ -13,19 +13,23 @@ pairs: 200 of 256 from the toy corpus, the length toy models are trained on). Wh
 beyond the paper they say so: the ridge lambda is picked per target layer and kind on a validation
 region (the paper states none), and features are standardized (ridge.py).
 
-Steps, each a call into one kvt stage:
-  1. checks before heavy work: the pair is matched-KV (or --scope layer), both tokenizers are the same,
-     weights and task data are present, the contexts fit the models, the memory plan fits;
-  2. calibration sequences in three disjoint regions (data.py) -> statistics, layer selection, ridge
-     (mapper.calibrate), saved to OUT/mapper-<settings>.safetensors and reused when it exists;
-     `--mapper mlp` swaps ridge for the paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
-  3. diagnostics on the diagnostics region and the gate (handoff.py);
-  4. every task (tasks.py; --task-file adds the user's own) under target / transfer / source / floor
-     (evals.py) on one seeded sample of items, one record per item and condition appended to
-     OUT/records-<settings>.jsonl as it is computed, so an interrupted run resumes;
-  5. prefill vs transfer timings (bench.py);
-  6. OUT/results.json (kvt's numbers, the same in lm-evaluation-harness's layout per condition under
-     "lm_eval", and the versions and hardware behind them) and OUT/report.md, and the tables on stdout.
+The command line becomes one Settings (frozen: no step changes it); run() then calls the steps in turn,
+each a function here calling into one kvt stage:
+  1. checks before heavy work (task_list, open_devices, check_pair, calibration, plan_memory, check_out,
+     load_pair): the pair is matched-KV (or --scope layer), both tokenizers are the same, weights and task
+     data are present, the contexts fit the models, the memory plan fits; the calibration sequences in
+     three disjoint regions (data.py);
+  2. get_mapper: statistics, layer selection, ridge (mapper.calibrate), saved to
+     OUT/mapper-<settings>.safetensors and reused when it exists; `--mapper mlp` swaps ridge for the
+     paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
+  3. check_mapper: diagnostics on the diagnostics region and the gate (handoff.py);
+  4. batch_size, evaluate (evaluate_back: CoQA the other way): every task (tasks.py; --task-file adds the
+     user's own) under target / transfer / source / floor (evals.py) on one seeded sample of items, one
+     record per item and condition appended to OUT/records-<settings>.jsonl as it is computed, so an
+     interrupted run resumes; measure_context_gain for --heldout;
+  5. run_bench: prefill vs transfer timings (bench.py);
+  6. report: OUT/results.json (kvt's numbers, the same in lm-evaluation-harness's layout per condition
+     under "lm_eval", and the versions and hardware behind them) and OUT/report.md, and the tables on stdout.
 A problem the user can fix is one line on stderr and exit code 2.
 """
 import argparse
@@ -70,70 +74,152 @@ MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
 MAX_LAM = 1e4    # --lam beyond 100x the grid's largest: every standardized direction shrunk to near zero
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What `kvt run` is asked, one field per option (parse_args reads its defaults from here), checked
+    (check_args) and with the defaults that depend on the pair filled in when it is made: a toy pair
+    calibrates on 200 x 256 tokens of the toy corpus (the length its models are trained on) and samples 200
+    items per task, any other pair on the paper's 500 x 1024 of WikiText-2 and Gutenberg under --data-dir,
+    500 items. No step changes it. Build it from keywords, Settings(pair="qwen3-14b:32b"), or from a command
+    line, Settings.from_args(parse_args(argv))."""
+    pair: str = "toy-s:m"
+    source: Path | None = None
+    target: Path | None = None
+    weights: Path | None = None
+    data_dir: Path = dataclasses.field(default_factory=lambda: Path(tasks.default_data_dir()))
+    calib: list | None = None
+    calib_seqs: int | None = None
+    calib_len: int | None = None
+    k: int = 8
+    lam: float | None = None
+    scope: str = "layer"
+    token_weights: str = "uniform"
+    mapper: str = "ridge"
+    tasks: str | None = None
+    task_file: list = dataclasses.field(default_factory=list)
+    limit: int | None = None
+    task_limit: list = dataclasses.field(default_factory=list)
+    seed: int = 0
+    batch_size: int | None = None
+    bench: bool = True
+    bench_lengths: str | None = None
+    recompute_last: int = 0
+    recompute_first: int = 0
+    recompute_frac: float = 0.0
+    recompute_by: str = "attention"
+    heldout: list = dataclasses.field(default_factory=list)
+    nll_windows: int = 32
+    nll_context: str | None = None
+    nll_next: int | None = None
+    min_attn_cos: float = MIN_ATTN_COS
+    max_kl: float = MAX_KL
+    device: str = dataclasses.field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    devices: str | None = None
+    context: int | None = None
+    stats_dtype: str = "float64"
+    keep_stats: bool = False
+    candidates: int | None = None
+    dtype: str | None = None
+    plain: bool = False
+    out: Path | None = None
+
+    def __post_init__(self):
+        check_args(self)
+        toy = self.toy
+        filled = {"scope": "head" if self.scope == "head-local" else self.scope,  # CacheBridge's name, the same map
+                  "calib": self.calib or ([] if toy else [self.data_dir / c for c in REAL_CALIB]),
+                  "calib_seqs": (200 if toy else 500) if self.calib_seqs is None else self.calib_seqs,
+                  "calib_len": (256 if toy else 1024) if self.calib_len is None else self.calib_len,
+                  "limit": (200 if toy else 500) if self.limit is None else self.limit}
+        for name, value in filled.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here, while it is made
+
+    @classmethod
+    def from_args(cls, ns):
+        """The Settings of argparse's namespace; --plain or KVT_PLAIN=1 (the entry point's switch) sets plain."""
+        return cls(**{**vars(ns), "plain": ns.plain or plain_requested()})
+
+    @property
+    def toy(self):
+        """A toy pair (its source is named toy-*) or toy tasks: the toy corpus and the toy defaults."""
+        src = checkpoint_name(self.source) if self.source else "" if self.target else parse_pair(self.pair)[0]
+        return src.startswith("toy-") or self.tasks is not None and self.tasks.startswith("toy_")
+
+    @property
+    def task_limits(self):
+        """--task-limit as {task: items}."""
+        return {name: int(n) for name, _, n in (spec.partition("=") for spec in self.task_limit)}
+
+    @property
+    def recompute(self):
+        return Recompute(self.recompute_last, self.recompute_first, self.recompute_frac, self.recompute_by)
+
+
 def parse_args(argv=None):
+    """argparse's namespace of a `kvt run` command line (Settings.from_args makes the run's Settings of it)."""
     ap = argparse.ArgumentParser(prog="kvt run", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pair", default="toy-s:m", help="FAMILY-SRC:TGT, read from WEIGHTS/<name> (default: the toy family)")
+    ap.add_argument("--pair", help="FAMILY-SRC:TGT, read from WEIGHTS/<name> (default: the toy family)")
     ap.add_argument("--source", type=Path, help="source checkpoint folder (instead of --pair)")
     ap.add_argument("--target", type=Path, help="target checkpoint folder (instead of --pair)")
     ap.add_argument("--weights", type=Path, help="folder of checkpoint folders (default: ./weights, then the toy "
                     "family kvt ships)")
-    ap.add_argument("--data-dir", type=Path, default=Path(tasks.default_data_dir()), help="task data ($KVT_DATA)")
+    ap.add_argument("--data-dir", type=Path, help="task data ($KVT_DATA)")
     ap.add_argument("--calib", nargs="*", help="calibration text files or folders (default: DATA/calib/wikitext-2 "
                     "and DATA/calib/gutenberg; the toy corpus for toy pairs)")
     ap.add_argument("--calib-seqs", type=int, help="fit sequences (paper: 500; toy default 200), plus a tenth for "
                     "validation and a twentieth for diagnostics, from other documents")
     ap.add_argument("--calib-len", type=int, help="tokens per sequence (paper: 1024; toy default 256)")
-    ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
+    ap.add_argument("--k", type=int, help="source layers per target layer (paper: 8)")
     ap.add_argument("--lam", type=float, help="ridge lambda on standardized features (default: the best of "
                     "ridge.LAMBDAS per target layer and kind, on the validation region; the paper gives none)")
-    ap.add_argument("--scope", choices=["layer", "head", "head-local"], default="layer",
+    ap.add_argument("--scope", choices=["layer", "head", "head-local"],
                     help="layer: each target head from all heads of the selected layers (the paper's, default); "
                     "head (= head-local, CacheBridge's name): head h from head h of the selected layers (kvt's "
                     "option, about 8x smaller)")
-    ap.add_argument("--token-weights", choices=["uniform", "attention"], default="uniform",
+    ap.add_argument("--token-weights", choices=["uniform", "attention"],
                     help="ridge token weights: uniform (the paper's, default) or attention (CacheBridge's "
                     "attention-weighted fit, kvt's option; --scope head only, kvt/attnfit.py)")
-    ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"], default="ridge",
+    ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"],
                     help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
                     "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
     ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS}); none: no tasks")
-    ap.add_argument("--task-file", type=Path, action="append", default=[],
+    ap.add_argument("--task-file", type=Path, action="append",
                     help="a Python file of your own tasks (kvt.tasks.Task), imported before --tasks is read; "
                     "repeat for several")
     ap.add_argument("--limit", type=int, help="items per task, a seeded sample (default: toy 200, real 500)")
-    ap.add_argument("--task-limit", action="append", default=[], metavar="TASK=N",
+    ap.add_argument("--task-limit", action="append", metavar="TASK=N",
                     help="items of one task, overriding --limit (repeatable), e.g. coqa=50")
-    ap.add_argument("--seed", type=int, default=0, help="the item sample and the calibration draw")
+    ap.add_argument("--seed", type=int, help="the item sample and the calibration draw")
     ap.add_argument("--batch-size", type=int, help="items evaluated together, left-padded (default: on a GPU the "
                     "largest power of two up to 64 the memory plan fits, plan.eval_batch; on a CPU 8); records "
                     "equal batch 1's within the dtype's rounding, so a resumed run may change it")
-    ap.add_argument("--bench", dest="bench", action="store_true", default=True)
+    ap.add_argument("--bench", dest="bench", action="store_true")
     ap.add_argument("--no-bench", dest="bench", action="store_false")
     ap.add_argument("--bench-lengths", help="context lengths to time (default: toy 256,512,1024; CPU 512..4096; "
                     "GPU up to 32768)")
-    ap.add_argument("--recompute-last", type=int, default=0, help="kvt's option: after mapping, the target "
+    ap.add_argument("--recompute-last", type=int, help="kvt's option: after mapping, the target "
                     "recomputes the KV of the last R prompt tokens itself (the last one it always runs)")
-    ap.add_argument("--recompute-first", type=int, default=0, help="kvt's option: ... of the first S tokens")
-    ap.add_argument("--recompute-frac", type=float, default=0.0, help="kvt's option: ... of this fraction of the "
+    ap.add_argument("--recompute-first", type=int, help="kvt's option: ... of the first S tokens")
+    ap.add_argument("--recompute-frac", type=float, help="kvt's option: ... of this fraction of the "
                     "tokens, those the source attended to most while finishing the prompt")
-    ap.add_argument("--recompute-by", choices=["attention", "suffix"], default="attention",
+    ap.add_argument("--recompute-by", choices=["attention", "suffix"],
                     help="which tokens --recompute-frac takes: the most attended (default) or the last ones")
-    ap.add_argument("--heldout", nargs="*", default=[], help="held-out text files for the context-gain measure "
+    ap.add_argument("--heldout", nargs="*", help="held-out text files for the context-gain measure "
                     "(NLL of the next --nll-next tokens after --nll-context of context, target / transfer / floor); "
                     "'toy' for unseen toy-corpus documents; none by default; must not be calibration text")
-    ap.add_argument("--nll-windows", type=int, default=32, help="windows per held-out text (default 32)")
+    ap.add_argument("--nll-windows", type=int, help="windows per held-out text (default 32)")
     ap.add_argument("--nll-context", help="comma-separated context lengths (default: 1024; toy 128); those the "
                     "models cannot hold with --nll-next after them are skipped")
     ap.add_argument("--nll-next", type=int, help="tokens scored after the context (default 256; toy 64)")
-    ap.add_argument("--min-attn-cos", type=float, default=MIN_ATTN_COS, help="gate: mean attention-output cosine "
+    ap.add_argument("--min-attn-cos", type=float, help="gate: mean attention-output cosine "
                     f"(default {MIN_ATTN_COS}, from the gate evidence in docs/real-weights.md)")
-    ap.add_argument("--max-kl", type=float, default=MAX_KL, help=f"gate: next-token KL in nats (default {MAX_KL})")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-kl", type=float, help=f"gate: next-token KL in nats (default {MAX_KL})")
+    ap.add_argument("--device")
     ap.add_argument("--devices", help="split both models by layers over these, e.g. cuda:0,cuda:1 (under "
                     "torchrun: shared out among the ranks of a node)")
     ap.add_argument("--context", type=int, help="longest context to plan memory for (default: the longest bench length)")
-    ap.add_argument("--stats-dtype", choices=["float64", "float32"], default="float64",
+    ap.add_argument("--stats-dtype", choices=["float64", "float32"],
                     help="calibration statistics (float32 halves them; solves stay float64)")
     ap.add_argument("--keep-stats", action="store_true", help="keep the calibration statistics files once the "
                     "mapper is saved (tens of GiB on a large pair; another --lam or --k reuses them)")
@@ -143,71 +229,71 @@ def parse_args(argv=None):
     ap.add_argument("--plain", action="store_true", help="run every step's plain path (= KVT_PLAIN=1): the method "
                     "as tutorial.md writes it, to step through with a debugger; the same results, slower")
     ap.add_argument("--out", type=Path, help="output folder (default: runs/<src>_<tgt>)")
+    ap.set_defaults(**{f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                       for f in dataclasses.fields(Settings)})       # every default is Settings' own
     return ap.parse_args(argv)
 
 
-def check_args(args):
+def check_args(s):
     """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
     positive = at_least
-    if args.scope == "head-local":                 # CacheBridge's name for kvt's head scope: the same map
-        args.scope = "head"
-    positive("nll-windows", args.nll_windows, why=" (held-out windows per text)")
-    positive("nll-next", args.nll_next, why=" (tokens scored after the context)")
-    if args.token_weights == "attention" and args.scope != "head":
+    positive("nll-windows", s.nll_windows, why=" (held-out windows per text)")
+    positive("nll-next", s.nll_next, why=" (tokens scored after the context)")
+    if s.token_weights == "attention" and s.scope not in ("head", "head-local"):
         raise KvtError("--token-weights attention is the head-local attention-weighted fit; add --scope head")
-    positive("k", args.k, why=" (source layers per target layer; the paper uses 8)")
-    positive("calib-seqs", args.calib_seqs, why=" (calibration sequences; the paper uses 500)")
-    positive("calib-len", args.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
-    positive("limit", args.limit, why=" (items per task)")
-    for spec in args.task_limit:
+    positive("k", s.k, why=" (source layers per target layer; the paper uses 8)")
+    positive("calib-seqs", s.calib_seqs, why=" (calibration sequences; the paper uses 500)")
+    positive("calib-len", s.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
+    positive("limit", s.limit, why=" (items per task)")
+    for spec in s.task_limit:
         name, _, n = spec.partition("=")
         if not n.isdigit() or int(n) < 1:
             raise KvtError(f"--task-limit {spec!r}: give TASK=N with N at least 1, e.g. coqa=50")
-    positive("candidates", args.candidates, 2, " (source layers to select from)")
-    positive("recompute-last", args.recompute_last, 0, " (prompt tokens the target recomputes)")
-    positive("recompute-first", args.recompute_first, 0, " (prompt tokens the target recomputes)")
-    if not 0 <= args.recompute_frac <= 1:
-        raise KvtError(f"--recompute-frac {args.recompute_frac}: a fraction of the prompt, within [0, 1]")
-    if args.lam is not None and not (math.isfinite(args.lam) and args.lam > 0):
-        raise KvtError(f"--lam {args.lam}: the ridge lambda must be a positive number (or leave it out to pick one "
+    positive("candidates", s.candidates, 2, " (source layers to select from)")
+    positive("recompute-last", s.recompute_last, 0, " (prompt tokens the target recomputes)")
+    positive("recompute-first", s.recompute_first, 0, " (prompt tokens the target recomputes)")
+    if not 0 <= s.recompute_frac <= 1:
+        raise KvtError(f"--recompute-frac {s.recompute_frac}: a fraction of the prompt, within [0, 1]")
+    if s.lam is not None and not (math.isfinite(s.lam) and s.lam > 0):
+        raise KvtError(f"--lam {s.lam}: the ridge lambda must be a positive number (or leave it out to pick one "
                        "per target layer on validation data)")
-    if args.lam is not None and args.lam > MAX_LAM:
-        raise KvtError(f"--lam {args.lam:g}: above {MAX_LAM:g} the ridge shrinks the map to nearly zero (lambda is "
+    if s.lam is not None and s.lam > MAX_LAM:
+        raise KvtError(f"--lam {s.lam:g}: above {MAX_LAM:g} the ridge shrinks the map to nearly zero (lambda is "
                        f"relative to each standardized feature's variance of 1; the grid ends at {ridge.LAMBDAS[-1]:g}); "
                        f"give at most {MAX_LAM:g}, or leave it out to pick one per target layer")
     for name in ("min_attn_cos", "max_kl"):
-        if not math.isfinite(getattr(args, name)):
+        if not math.isfinite(getattr(s, name)):
             raise KvtError(f"--{name.replace('_', '-')} must be a number")
-    if not -1 <= args.min_attn_cos <= 1:
-        raise KvtError(f"--min-attn-cos {args.min_attn_cos}: a cosine, within [-1, 1]")
-    if args.max_kl < 0:
-        raise KvtError(f"--max-kl {args.max_kl}: a KL divergence is never negative; give a threshold of at least 0")
-    if args.tasks is not None and not [t for t in args.tasks.split(",") if t.strip()]:
+    if not -1 <= s.min_attn_cos <= 1:
+        raise KvtError(f"--min-attn-cos {s.min_attn_cos}: a cosine, within [-1, 1]")
+    if s.max_kl < 0:
+        raise KvtError(f"--max-kl {s.max_kl}: a KL divergence is never negative; give a threshold of at least 0")
+    if s.tasks is not None and not [t for t in s.tasks.split(",") if t.strip()]:
         raise KvtError(f"--tasks is empty; name at least one task (known: {', '.join(tasks.TASKS)})")
-    if args.nll_context is not None:
+    if s.nll_context is not None:
         try:
-            contexts = [int(n) for n in args.nll_context.split(",")]
+            contexts = [int(n) for n in s.nll_context.split(",")]
         except ValueError:
             contexts = []
         if not contexts or min(contexts) < 1:
-            raise KvtError(f"--nll-context {args.nll_context!r}: give comma-separated context lengths of at least 1 "
+            raise KvtError(f"--nll-context {s.nll_context!r}: give comma-separated context lengths of at least 1 "
                            "token, e.g. 1024,4096")
-    if args.bench_lengths is not None:
+    if s.bench_lengths is not None:
         try:
-            lengths = [int(n) for n in args.bench_lengths.split(",")]
+            lengths = [int(n) for n in s.bench_lengths.split(",")]
         except ValueError:
             lengths = []
         if not lengths or min(lengths) < 2:
-            raise KvtError(f"--bench-lengths {args.bench_lengths!r}: give comma-separated context lengths of at "
+            raise KvtError(f"--bench-lengths {s.bench_lengths!r}: give comma-separated context lengths of at "
                            "least 2 tokens, e.g. 512,1024,2048")
-    positive("context", args.context, 2)
-    positive("batch-size", args.batch_size, why=" (items per evaluation batch)")
+    positive("context", s.context, 2)
+    positive("batch-size", s.batch_size, why=" (items per evaluation batch)")
     for name, holds in (("weights", "the checkpoint folders"), ("data_dir", "the task data")):
-        folder = getattr(args, name)
+        folder = getattr(s, name)
         if folder is not None and folder.exists() and not folder.is_dir():
             raise KvtError(f"--{name.replace('_', '-')} {folder} is a file; give the folder that holds {holds}")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise KvtError(f"--out {args.out} is a file; give a folder (it is created if missing)")
+    if s.out is not None and s.out.exists() and not s.out.is_dir():
+        raise KvtError(f"--out {s.out} is a file; give a folder (it is created if missing)")
 
 
 def check_lengths(lengths, cfgs, tok):
@@ -240,47 +326,47 @@ def eval_shape(items, tok):
     return longest, choices, new
 
 
-def resolve(args):
+def resolve(s):
     """(source dir, target dir, source name, target name)."""
-    if args.source or args.target:
-        if not (args.source and args.target):
+    if s.source or s.target:
+        if not (s.source and s.target):
             raise KvtError("give both --source and --target (or --pair)")
-        return args.source, args.target, checkpoint_name(args.source), checkpoint_name(args.target)
-    src, tgt = parse_pair(args.pair)
-    return find_weights(src, args.weights), find_weights(tgt, args.weights), src, tgt
+        return s.source, s.target, checkpoint_name(s.source), checkpoint_name(s.target)
+    src, tgt = parse_pair(s.pair)
+    return find_weights(src, s.weights), find_weights(tgt, s.weights), src, tgt
 
 
 def short_hash(obj):
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
-def stats_key(args, src_dir, tgt_dir, calib):
+def stats_key(s, src_dir, tgt_dir, calib):
     """What calibration statistics depend on: both checkpoints' weights, the calibration tokens, the
     statistics' dtype and candidates. Another lambda, k or mapper type reuses them."""
     return {"format": STATS_FORMAT, "source": fingerprint(src_dir), "target": fingerprint(tgt_dir),
-            "calib": calib.hash(), "stats_dtype": args.stats_dtype, "candidates": args.candidates}
+            "calib": calib.hash(), "stats_dtype": s.stats_dtype, "candidates": s.candidates}
 
 
-def mapper_key(args, stats):
+def mapper_key(s, stats):
     """Everything a mapper is made from: its statistics' key and the settings of the fit. A different
     request, or the same one on retrained weights, never reuses a mapper (nor records made with it)."""
-    return {**stats, "format": MAPPER_FORMAT, "stats_format": stats["format"], "scope": args.scope, "k": args.k,
-            "lambda": args.lam, "mapper": args.mapper, **({"weights": args.token_weights} if args.token_weights != "uniform" else {})}
+    return {**stats, "format": MAPPER_FORMAT, "stats_format": stats["format"], "scope": s.scope, "k": s.k,
+            "lambda": s.lam, "mapper": s.mapper, **({"weights": s.token_weights} if s.token_weights != "uniform" else {})}
 
 
-def mapper_name(args, skey):
-    key = mapper_key(args, skey)
+def mapper_name(s, skey):
+    key = mapper_key(s, skey)
     weighted = "-attn" if key.get("weights") == "attention" else ""
     return f"{key['scope']}-k{key['k']}-{key['mapper']}{weighted}-{short_hash(key)}"
 
 
-def check_disk(out, plans, args, skeys):
+def check_disk(out, plans, s, skeys):
     """Refuse, in one line, a run whose output folder lacks the space its calibrations need at most at
     once (plan.disk_plan; mappers already saved need none, statistics already there count as space)."""
     need, kept = 0, 0
     for p, skey in zip(plans, skeys):
         rows = disk_plan(p)
-        if not (out / f"mapper-{mapper_name(args, skey)}.safetensors").exists():
+        if not (out / f"mapper-{mapper_name(s, skey)}.safetensors").exists():
             need = max(need, kept + sum(n for _, n in rows))
             kept += rows[-1][1]                                   # its mapper file stays
     have = shutil.disk_usage(out).free + sum(f.stat().st_size for f in out.glob("stats-*"))
@@ -290,10 +376,10 @@ def check_disk(out, plans, args, skeys):
     return need
 
 
-def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
+def get_mapper(s, source, target, tok, calib, out, skey, dtype, group=None):
     """Load the mapper made from these settings in OUT, or calibrate and save it (statistics checkpointed
     under a name of their own, so another lambda, k or mapper type reads them again)."""
-    key, name = mapper_key(args, skey), mapper_name(args, skey)
+    key, name = mapper_key(s, skey), mapper_name(s, skey)
     path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
@@ -302,24 +388,24 @@ def get_mapper(args, source, target, tok, calib, out, skey, dtype, group=None):
         return mapper.to(dtype=dtype), name
     stats = out / f"stats-{short_hash(skey)}"
     t0 = time.time()
-    mapper, report = calibrate(source, target, calib, args.scope, args.k, args.lam, checkpoint=stats,
+    mapper, report = calibrate(source, target, calib, s.scope, s.k, s.lam, checkpoint=stats,
                                key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
-                               stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
-                               progress=dist.rank() == 0, keep_stats=args.keep_stats, weights=args.token_weights,
-                               add=stats_add_batch if args.plain else fast.add_batch)
-    if args.mapper in MLP_MODES:
-        mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[args.mapper], progress=dist.rank() == 0,
+                               stats_dtype=getattr(torch, s.stats_dtype), candidates=s.candidates,
+                               progress=dist.rank() == 0, keep_stats=s.keep_stats, weights=s.token_weights,
+                               add=stats_add_batch if s.plain else fast.add_batch)
+    if s.mapper in MLP_MODES:
+        mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[s.mapper], progress=dist.rank() == 0,
                          checkpoint=out / f"mlp-{name}", key=short_hash(key))
     mapper.meta["fit_s"] = time.time() - t0                       # statistics, selection, ridge (and MLP) on this run
     used = mapper.to(dtype=dtype)                                   # the mapper as evaluation and the bench use it
-    mapper.meta["diagnostics"] = diagnose(source, target, used, calib.diag, plain=args.plain)  # a region no choice saw
+    mapper.meta["diagnostics"] = diagnose(source, target, used, calib.diag, plain=s.plain)  # a region no choice saw
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
     mapper.meta["key"] = short_hash(key)
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
         save_mapper(mapper, path)
         for f in out.glob(f"mlp-{name}-*.safetensors"):             # the mapper file holds the MLPs now
             f.unlink()
-        for f in [] if args.keep_stats else out.glob(f"{stats.name}.*"):   # its statistics and fits, too
+        for f in [] if s.keep_stats else out.glob(f"{stats.name}.*"):   # its statistics and fits, too
             f.unlink()
     used.meta = mapper.meta
     return used, name
@@ -392,7 +478,7 @@ def check_old_records(path):
                            "whether an item changed since; delete it to evaluate again, or use another --out")
 
 
-def run_tasks(args, items, tok, conds, path, header):
+def run_tasks(items, tok, conds, path, header, batch_size):
     """Evaluate every task's items under conds, appending each record to a jsonl as it lands, so a
     stopped run resumes. Records are keyed by task, condition, item id and item_key (what was scored).
     Under torchrun each rank takes a share of the items still to do and writes its own file. Returns the
@@ -409,7 +495,7 @@ def run_tasks(args, items, tok, conds, path, header):
             skip = {(c, it.id) for it in its for c in conds
                     if it.id not in mine_ids or (task, c, it.id, keys[task, it.id]) in done}
             for rec in evals.evaluate(task, its, tok, conds, done=skip, progress=dist.rank() == 0,
-                                      batch_size=args.batch_size):
+                                      batch_size=batch_size):
                 f.write(json.dumps({**rec, "key": keys[task, rec["id"]]}) + "\n")
                 f.flush()
     dist.barrier()
@@ -502,18 +588,18 @@ def write_atomic(path, text):
         raise KvtError(f"cannot write {path} ({e.strerror}); move it away and run again (the results are kept)")
 
 
-def heldout_texts(args, is_toy):
+def heldout_texts(s):
     """[(name, documents or None, path)]: the held-out texts of the context-gain measure; refuses one that is
     (or is inside, or holds) calibration text."""
     out = []
-    for h in args.heldout:
+    for h in s.heldout:
         if h == "toy":
             out.append(("toy corpus (seed 98)", toy.corpus(400, seed=98), None))   # calibration: seed 99
             continue
         p = Path(h).resolve()
         if not p.exists():
             raise KvtError(f"--heldout {h} does not exist; pass a .txt file (or 'toy')")
-        for c in map(lambda x: Path(x).resolve(), args.calib):
+        for c in map(lambda x: Path(x).resolve(), s.calib):
             if p == c or c in p.parents or p in c.parents:
                 raise KvtError(f"--heldout {h} is calibration text too (--calib {c}); calibrate on other text "
                                "(e.g. --calib DATA/calib/wikitext-2/valid.txt) or hold out another file")
@@ -521,19 +607,19 @@ def heldout_texts(args, is_toy):
     return out
 
 
-def measure_context_gain(args, source, target, mapper, tok, is_toy):
+def measure_context_gain(s, source, target, mapper, tok):
     """One row per held-out text and context length: context_gain over --nll-windows windows."""
-    next_n = args.nll_next or (64 if is_toy else 256)
-    contexts = [int(c) for c in (args.nll_context or ("128" if is_toy else "1024")).split(",")]
+    next_n = s.nll_next or (64 if s.toy else 256)
+    contexts = [int(c) for c in (s.nll_context or ("128" if s.toy else "1024")).split(",")]
     limit = min(source.config.max_seq_len, target.config.max_seq_len)
     rows = []
-    for name, docs, path in heldout_texts(args, is_toy):
+    for name, docs, path in heldout_texts(s):
         for c in contexts:
             if c + next_n > limit:
                 print(f"context gain: {c} + {next_n} tokens exceed the models' {limit}; skipped")
                 continue
-            ids = heldout_windows(path, tok, args.nll_windows, c + next_n, documents=docs)
-            row = context_gain(next_nll(source, target, mapper, ids, c, plain=args.plain), seed=args.seed)
+            ids = heldout_windows(path, tok, s.nll_windows, c + next_n, documents=docs)
+            row = context_gain(next_nll(source, target, mapper, ids, c, plain=s.plain), seed=s.seed)
             rows.append({"text": name, "context": c, "next": next_n, **row})
     return rows
 
@@ -552,15 +638,13 @@ def format_context_gain(rows):
 def main(argv=None):
     """Run everything (see the module docstring); returns the results dict. A run that fails leaves no
     empty output folder behind (a folder with a checkpoint in it stays: the rerun resumes from it)."""
-    args = parse_args(argv)
-    check_args(args)
+    s = Settings.from_args(parse_args(argv))
     fast.keep_freed_memory()                     # process-wide: glibc keeps freed blocks for the next cache
-    args.plain = args.plain or plain_requested()  # --plain or KVT_PLAIN=1: every step's plain path, passed on
-    src_dir, tgt_dir, src_name, tgt_name = resolve(args)
-    out = args.out or Path("runs") / f"{src_name}_{tgt_name}"
+    src_dir, tgt_dir, src_name, tgt_name = resolve(s)
+    out = s.out or Path("runs") / f"{src_name}_{tgt_name}"
     created, threads = not out.exists(), torch.get_num_threads()
     try:
-        return run(args, src_dir, tgt_dir, src_name, tgt_name, out)
+        return run(s, src_dir, tgt_dir, src_name, tgt_name, out)
     except BaseException:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
@@ -569,82 +653,140 @@ def main(argv=None):
         torch.set_num_threads(threads)
 
 
-def calibration_defaults(args, is_toy):
-    """Fill in what the user left out of the calibration: the text (none for a toy pair: the toy corpus,
-    toy_calibration_text; else WikiText-2 and Gutenberg under --data-dir), 200 x 256 tokens for a toy pair
-    (the length its models are trained on), the paper's 500 x 1024 for any other."""
-    args.calib = args.calib or ([] if is_toy else [args.data_dir / c for c in REAL_CALIB])
-    args.calib_seqs = (200 if is_toy else 500) if args.calib_seqs is None else args.calib_seqs
-    args.calib_len = (256 if is_toy else 1024) if args.calib_len is None else args.calib_len
+def run(s, src_dir, tgt_dir, src_name, tgt_name, out):
+    """The steps of the module docstring, in order, each a function below; `s` is the run's Settings."""
+    t0, names = time.time(), (src_name, tgt_name)
+    # 1. checks before heavy work
+    task_names = task_list(s)
+    devices, dtype = open_devices(s)
+    src_cfg, tgt_cfg, tok, lengths = check_pair(s, src_dir, tgt_dir, devices[0])
+    heldout_texts(s)                               # refused now if it is calibration text, not after calibrating
+    items = {task: tasks.load_task(task, s.data_dir, s.task_limits.get(task, s.limit), seed=s.seed)
+             for task in task_names}
+    calib = calibration(s, tok, out)
+    plans, cap = plan_memory(s, src_cfg, tgt_cfg, names, "coqa" in items, lengths, dtype, devices)
+    skeys = {"forward": stats_key(s, src_dir, tgt_dir, calib)}     # what each mapper's statistics depend on
+    if "back" in plans:
+        skeys["back"] = stats_key(s, tgt_dir, src_dir, calib)
+    check_out(s, out, plans, skeys)
+    source, target = load_pair(src_dir, tgt_dir, names, dtype, devices)
+
+    # 2. the mapper, with its weights where the target keeps each layer
+    mapper, name = get_mapper(s, source, target, tok, calib, out, skeys["forward"], dtype,
+                              plans["forward"].options["group"])
+    mapper = mapper.place(layer_devices(target))
+
+    # 3. its diagnostics and the gate
+    diag, fit, reasons = check_mapper(s, mapper)
+
+    # 4. evaluation, all conditions on the same items
+    batch = batch_size(s, items, tok, src_cfg, tgt_cfg, cap, dtype, devices)
+    records, header = evaluate(s, items, tok, source, target, mapper, name, out, dtype, batch)
+    coqa = {}
+    if "coqa" in items:  # the other direction: the large model hands the conversation to the small one
+        back = evaluate_back(s, items, tok, source, target, calib, out, skeys["back"], dtype,
+                             plans["back"].options["group"], header, batch)
+        coqa = {" -> ".join(names): coqa_result(records), " -> ".join(names[::-1]): coqa_result(back)}
+    if dist.rank() != 0:
+        return dist.close()
+    gains = measure_context_gain(s, source, target, mapper, tok) if s.heldout else []
+
+    # 5. speed
+    rows = run_bench(s, source, target, mapper, lengths, names, dtype, devices[0]) if s.bench else []
+
+    # 6. report
+    results = report(s, names, out, mapper, name, calib, (diag, fit, reasons), records, coqa, gains, rows, items,
+                     dtype, devices[0], batch, t0)
+    dist.close()
+    return results
 
 
-def toy_calibration_text(args, is_toy):
-    """The toy corpus's documents to calibrate a toy pair on when no --calib is given (seed 99: unseen
-    in training, which used seed 0), else None."""
-    return toy.corpus(2000, seed=99) if is_toy and not args.calib else None
-
-
-def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
-    t0 = time.time()
-    is_toy = src_name.startswith("toy-") or args.tasks is not None and args.tasks.startswith("toy_")
-    calibration_defaults(args, is_toy)
-    args.limit = (200 if is_toy else 500) if args.limit is None else args.limit
+def task_list(s):
+    """The run's tasks: the user's --task-file tasks registered (each name defined once), then --tasks (default:
+    the toy or the real list; none: no tasks), with every --task-limit naming one of them."""
     origin = {}  # task name -> the task file that defined it
-    for f in args.task_file:  # the user's tasks, registered before --tasks is read
+    for f in s.task_file:  # the user's tasks, registered before --tasks is read
         names = tasks.load_task_file(f)
         twice = [n for n in names if n in origin]
         if twice:
             raise KvtError(f"task {twice[0]!r} is defined in both {origin[twice[0]]} and {f}; give each its own name")
         origin.update(dict.fromkeys(names, f))
         print(f"{f}: tasks {', '.join(names)}")
-    task_names = [t.strip() for t in (args.tasks or (TOY_TASKS if is_toy else REAL_TASKS)).split(",") if t.strip()]
+    task_names = [t.strip() for t in (s.tasks or (TOY_TASKS if s.toy else REAL_TASKS)).split(",") if t.strip()]
     task_names = [] if task_names == ["none"] else task_names      # --tasks none: diagnostics (and --heldout) only
-    limits = {name: int(n) for name, _, n in (spec.partition("=") for spec in args.task_limit)}
-    for name in limits:
+    for name, n in s.task_limits.items():
         if name not in task_names:
-            raise KvtError(f"--task-limit {name}={limits[name]}: {name!r} is not a task of this run "
+            raise KvtError(f"--task-limit {name}={n}: {name!r} is not a task of this run "
                            f"({', '.join(task_names)}); check its name")
-    dist.check_devices(args.devices.split(",") if args.devices else [args.device])
-    devices = dist.init(args.devices.split(",") if args.devices else [args.device])
-    args.device = devices[0]
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    return task_names
 
-    # 1. checks before heavy work
-    src_cfg, tgt_cfg = load_config(src_dir, args.calib_len), load_config(tgt_dir, args.calib_len)
-    if args.device == "cpu" and max(src_cfg.dim, tgt_cfg.dim) < SMALL_WIDTH:
+
+def open_devices(s):
+    """This rank's devices (--devices or --device; under torchrun its share of them, dist.init) and the
+    models' dtype (--dtype, else bfloat16 on a GPU, float32 on a CPU)."""
+    asked = s.devices.split(",") if s.devices else [s.device]
+    dist.check_devices(asked)
+    devices = dist.init(asked)
+    return devices, getattr(torch, s.dtype or ("bfloat16" if devices[0].startswith("cuda") else "float32"))
+
+
+def check_pair(s, src_dir, tgt_dir, device):
+    """The pair before any weight is read: matched KV (or --scope layer), one tokenizer, every context the run
+    builds within both models, the configs against the weights' headers. Returns (source config, target
+    config, tokenizer, bench lengths)."""
+    src_cfg, tgt_cfg = load_config(src_dir, s.calib_len), load_config(tgt_dir, s.calib_len)
+    if device == "cpu" and max(src_cfg.dim, tgt_cfg.dim) < SMALL_WIDTH:
         torch.set_num_threads(1)  # as toy.py trains them: a second thread only waits on the first (main restores it)
-    check_matched_kv(src_cfg, tgt_cfg, args.scope)
+    check_matched_kv(src_cfg, tgt_cfg, s.scope)
     src_tok, tok = kvt.load_tokenizer(src_dir), kvt.load_tokenizer(tgt_dir)
     check_same_tokenizer(src_tok, tok)
-    lengths = [int(n) for n in (args.bench_lengths or bench_default(is_toy, args.device)).split(",")]
-    check_lengths((lengths if args.bench else []) + [args.calib_len, args.context or 2], (src_cfg, tgt_cfg), tok)
+    lengths = [int(n) for n in (s.bench_lengths or bench_default(s.toy, device)).split(",")]
+    check_lengths((lengths if s.bench else []) + [s.calib_len, s.context or 2], (src_cfg, tgt_cfg), tok)
     for cfg, folder in ((src_cfg, src_dir), (tgt_cfg, tgt_dir)):  # the configs' sizes feed the memory plan: check
         check_weights(cfg, folder)                                   # them against the weights' headers first
-    heldout_texts(args, is_toy)                    # refused now if it is calibration text, not after calibrating
-    items = {task: tasks.load_task(task, args.data_dir, limits.get(task, args.limit), seed=args.seed) for task in task_names}
-    toy_text = toy_calibration_text(args, is_toy)
-    missing = [str(p) for p in args.calib if not Path(p).exists()]
-    if missing and not is_toy and args.calib == [args.data_dir / c for c in REAL_CALIB]:
+    return src_cfg, tgt_cfg, tok, lengths
+
+
+def calibration(s, tok, out):
+    """The calibration sequences in three disjoint regions (data.calibration_sequences): the toy corpus for a
+    toy pair without --calib, else the --calib text, refused in one line when the default text is missing."""
+    toy_text = toy_calibration_text(s)
+    missing = [str(p) for p in s.calib if not Path(p).exists()]
+    if missing and not s.toy and s.calib == [s.data_dir / c for c in REAL_CALIB]:
         raise KvtError(f"no calibration text at {', '.join(missing)}; point --data-dir (or KVT_DATA) at a data folder "
                        "with calib/wikitext-2 (WikiText-2 raw, .txt) and calib/gutenberg (Project Gutenberg books, "
                        ".txt), "
                        "e.g. ../shared/data, or pass --calib with your own .txt/.jsonl/.json files or folders")
-    calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len, seed=args.seed, documents=toy_text,
-                                  cache=None if toy_text else out, progress=dist.rank() == 0)
-    skey = stats_key(args, src_dir, tgt_dir, calib)
+    return calibration_sequences(s.calib, tok, s.calib_seqs, s.calib_len, seed=s.seed, documents=toy_text,
+                                 cache=None if toy_text else out, progress=dist.rank() == 0)
+
+
+def toy_calibration_text(s):
+    """The toy corpus's documents to calibrate a toy pair on when no --calib is given (seed 99: unseen
+    in training, which used seed 0), else None."""
+    return toy.corpus(2000, seed=99) if s.toy and not s.calib else None
+
+
+def plan_memory(s, src_cfg, tgt_cfg, names, coqa, lengths, dtype, devices):
+    """The memory plan of every mapper this run fits (the way back too for CoQA), printed and checked before
+    any of it. Returns ({"forward": plan, "back": plan}, the devices' capacity)."""
     cap = capacity(devices)
-    plans = {}                                     # the plan of every mapper this run fits, checked before any of it
-    for way, a, b, names in [("forward", src_cfg, tgt_cfg, (src_name, tgt_name))] + (
-            [("back", tgt_cfg, src_cfg, (tgt_name, src_name))] if "coqa" in task_names else []):
-        plans[way] = split_to_fit(plan(a, b, args.scope, args.k, args.context or max(lengths + [args.calib_len]),
-                                         dtype, devices, calib_len=args.calib_len,
-                                         stats_dtype=getattr(torch, args.stats_dtype), candidates=args.candidates,
-                                         bench=args.bench and not plans), cap)
+    plans = {}
+    for way, a, b, shown in [("forward", src_cfg, tgt_cfg, names)] + ([("back", tgt_cfg, src_cfg, names[::-1])]
+                                                                      if coqa else []):
+        plans[way] = split_to_fit(plan(a, b, s.scope, s.k, s.context or max(lengths + [s.calib_len]),
+                                       dtype, devices, calib_len=s.calib_len,
+                                       stats_dtype=getattr(torch, s.stats_dtype), candidates=s.candidates,
+                                       bench=s.bench and not plans), cap)
         if dist.rank() == 0:
-            print(format_plan(plans[way], cap, " -> ".join(names)))
+            print(format_plan(plans[way], cap, " -> ".join(shown)))
     for p in plans.values():
         check_plan(p, cap)
-    memory = plans["forward"]
+    return plans, cap
+
+
+def check_out(s, out, plans, skeys):
+    """The output folder: made, writable, and with the disk space the calibrations need (check_disk)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -654,118 +796,135 @@ def run(args, src_dir, tgt_dir, src_name, tgt_name, out):
             pass
     except OSError as e:
         raise KvtError(f"cannot write in the output folder {out} ({e.strerror}); choose another --out")
-    skeys = [skey] + ([stats_key(args, tgt_dir, src_dir, calib)] if len(plans) > 1 else [])
-    disk = check_disk(out, plans.values(), args, skeys)
+    disk = check_disk(out, plans.values(), s, [skeys[way] for way in plans])
     if dist.rank() == 0:
         print(f"disk: calibration writes up to {disk / 1e9:.1f} GB at once under {out} "
-              f"({'kept' if args.keep_stats else 'statistics deleted once each mapper is saved'})")
+              f"({'kept' if s.keep_stats else 'statistics deleted once each mapper is saved'})")
+
+
+def load_pair(src_dir, tgt_dir, names, dtype, devices):
+    """Both models, split by layers over `devices` where there are several."""
     source = kvt.load_model(src_dir, dtype, devices=devices)
     target = kvt.load_model(tgt_dir, dtype, devices=devices)
-    print(f"{src_name} ({src_cfg.n_layers} layers) -> {tgt_name} ({tgt_cfg.n_layers} layers), {dtype} on {args.device}")
+    print(f"{names[0]} ({source.config.n_layers} layers) -> {names[1]} ({target.config.n_layers} layers), {dtype} "
+          f"on {devices[0]}")
+    return source, target
 
-    # 2-3. mapper and its diagnostics, with its weights where the target keeps each layer
-    mapper, name = get_mapper(args, source, target, tok, calib, out, skey, dtype, memory.options["group"])
-    mapper = mapper.place(layer_devices(target))
+
+def check_mapper(s, mapper):
+    """The mapper's diagnostics on the diagnostics region (made when it was fitted) and the gate on them,
+    printed. Returns (diagnostics, fit, reasons)."""
     diag = mapper.meta["diagnostics"]
-    fit, reasons = gate(diag, args.min_attn_cos, args.max_kl)
+    fit, reasons = gate(diag, s.min_attn_cos, s.max_kl)
     print(format_diagnostics(diag))
     print("gate: fit for use" if fit else "gate: UNFIT: " + "; ".join(reasons))
+    return diag, fit, reasons
 
-    # 4. evaluation, all conditions on the same items
-    recompute = Recompute(args.recompute_last, args.recompute_first, args.recompute_frac, args.recompute_by)
+
+def batch_size(s, items, tok, src_cfg, tgt_cfg, cap, dtype, devices):
+    """--batch-size, else the most items a batch the memory plan fits (plan.eval_batch)."""
+    batch = s.batch_size
+    if batch is None:
+        context, choices, new = eval_shape(items, tok)
+        batch = eval_batch(src_cfg, tgt_cfg, cap, context, choices, new, s.scope, s.k, dtype, devices)
+    print(f"evaluation: {batch} items a batch (--batch-size)")
+    return batch
+
+
+def evaluate(s, items, tok, source, target, mapper, name, out, dtype, batch):
+    """Every task under target / transfer / source / floor (evals.conditions) on the same items, recorded in
+    OUT/records-<mapper>-<header hash>.jsonl as they land. Returns (records, the records' header)."""
+    recompute = s.recompute
     header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(dtype),
               **({"recompute": [recompute.last, recompute.first, recompute.frac]} if recompute else {}),
               **({"recompute_by": recompute.by} if recompute.frac and recompute.by != "attention" else {})}
-    conds = evals.conditions(target, source, evals.transfer(source, target, mapper, recompute, args.plain), args.plain)
-    if args.batch_size is None:
-        context, choices, new = eval_shape(items, tok)
-        args.batch_size = eval_batch(src_cfg, tgt_cfg, cap, context, choices, new, args.scope, args.k, dtype, devices)
-    print(f"evaluation: {args.batch_size} items a batch (--batch-size)")
-    records = run_tasks(args, items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header)
+    conds = evals.conditions(target, source, evals.transfer(source, target, mapper, recompute, s.plain), s.plain)
+    return run_tasks(items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header, batch), header
+
+
+def evaluate_back(s, items, tok, source, target, calib, out, skey, dtype, group, header, batch):
+    """CoQA the other way, target -> source, with a mapper of its own (get_mapper). Returns its records."""
+    back, back_name = get_mapper(s, target, source, tok, calib, out, skey, dtype, group)
+    back = back.place(layer_devices(source))
+    rev_header = dict(header, mapper=back_name)
+    conds = {"target": evals.Condition(source, plain=s.plain),
+             "transfer": evals.Condition(source, evals.transfer(target, source, back, plain=s.plain), plain=s.plain)}
+    return run_tasks({"coqa": items["coqa"]}, tok, conds, out / f"records-{back_name}-{short_hash(rev_header)}.jsonl",
+                     rev_header, batch)
+
+
+def coqa_result(records):
+    return {"gold": coqa_turns(records), "agreement": coqa_agreement(records)}
+
+
+def run_bench(s, source, target, mapper, lengths, names, dtype, device):
+    """Prefill vs transfer timings (bench.bench) at every bench length; the way back is a random mapper of
+    the right shapes (timing needs no fit)."""
+    back = random_mapper(target.config, source.config, s.scope, s.k, dtype, device)
+    return bench(source, target, mapper, back, lengths, names=names,
+                 fracs=[s.recompute.frac] if s.recompute.frac else [], plain=s.plain)
+
+
+def report(s, names, out, mapper, name, calib, check, records, coqa, gains, rows, items, dtype, device, batch, t0):
+    """OUT/report.md, OUT/results.json, and the tables on stdout. Returns the results dict."""
+    src_name, tgt_name = names
+    diag, fit, reasons = check
     summary, average = summarize(records), average_retention(records)
-    coqa = {}
-    if "coqa" in task_names:  # the other direction: the large model hands the conversation to the small one
-        back_key = stats_key(args, tgt_dir, src_dir, calib)
-        back, back_name = get_mapper(args, target, source, tok, calib, out, back_key, dtype,
-                                     plans["back"].options["group"])
-        back = back.place(layer_devices(source))
-        rev_header = dict(header, mapper=back_name)
-        rev = run_tasks(args, {"coqa": items["coqa"]}, tok,
-                        {"target": evals.Condition(source, plain=args.plain),
-                         "transfer": evals.Condition(source, evals.transfer(target, source, back, plain=args.plain),
-                                                     plain=args.plain)},
-                        out / f"records-{back_name}-{short_hash(rev_header)}.jsonl", rev_header)
-        coqa = {f"{src_name} -> {tgt_name}": {"gold": coqa_turns(records), "agreement": coqa_agreement(records)},
-                f"{tgt_name} -> {src_name}": {"gold": coqa_turns(rev), "agreement": coqa_agreement(rev)}}
-
-    if dist.rank() != 0:
-        return dist.close()
-
-    gains = measure_context_gain(args, source, target, mapper, tok, is_toy) if args.heldout else []
-
-    # 5. speed
-    rows = []
-    if args.bench:
-        back = random_mapper(tgt_cfg, src_cfg, args.scope, args.k, dtype, args.device)  # timing needs no fit
-        rows = bench(source, target, mapper, back, lengths, names=(src_name, tgt_name),
-                     fracs=[recompute.frac] if recompute.frac else [], plain=args.plain)
-
-    # 6. report
+    recompute = s.recompute
     table = format_summary(summary, average, src_name, tgt_name)
-    k_used = mapper.meta.get("k", args.k)
-    report = [f"# kvt: {src_name} -> {tgt_name}", "",
-              f"mapper: {name}, {args.mapper}, {args.scope} scope, {args.token_weights} weights, k={k_used}"
-              + (f" (of {args.k} asked; the source has {src_cfg.n_layers} layers)" if k_used != args.k else "")
-              + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
-              f"{args.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
-              f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
-              *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
-                 f"{recompute.first} and {100 * recompute.frac:g}% "
-                 f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
-                if recompute else []),
-              f"items: a seeded sample (seed {args.seed}) of up to {args.limit} per task"
-              + "".join(f", {t} {n}" for t, n in limits.items()) + ", the same for every condition", "",
-              "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
-              "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
-              "## Accuracy (%, 95% interval) and retention", "", table]
+    k_used = mapper.meta.get("k", s.k)
+    lines = [f"# kvt: {src_name} -> {tgt_name}", "",
+             f"mapper: {name}, {s.mapper}, {s.scope} scope, {s.token_weights} weights, k={k_used}"
+             + (f" (of {s.k} asked; the source has {mapper.src_cfg.n_layers} layers)" if k_used != s.k else "")
+             + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
+             f"{s.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
+             f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
+             *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
+                f"{recompute.first} and {100 * recompute.frac:g}% "
+                f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
+               if recompute else []),
+             f"items: a seeded sample (seed {s.seed}) of up to {s.limit} per task"
+             + "".join(f", {t} {n}" for t, n in s.task_limits.items()) + ", the same for every condition", "",
+             "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
+             "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
+             "## Accuracy (%, 95% interval) and retention", "", table]
     if gains:
-        report += ["", "## Context gain kept (held-out next-token NLL, nats; 95% interval over windows)", "",
+        lines += ["", "## Context gain kept (held-out next-token NLL, nats; 95% interval over windows)", "",
                    format_context_gain(gains)]
     for direction, c in coqa.items():
         g, a = c["gold"], c["agreement"]
-        report += ["", f"## CoQA, handed over {direction}: gold F1 per turn", "",
+        lines += ["", f"## CoQA, handed over {direction}: gold F1 per turn", "",
                    "| turn | " + " | ".join(str(t) for t in g["turns"]) + " |",
                    "|---|" + "---|" * len(g["turns"])]
         for cond in ("target", "transfer"):
-            report.append(f"| {cond} | " + " | ".join(f"{f:.1f}" for f in g["f1"][cond]) + " |")
+            lines.append(f"| {cond} | " + " | ".join(f"{f:.1f}" for f in g["f1"][cond]) + " |")
         num = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
-        report += ["", f"gold F1 target {num(g['mean']['target']['f1'], '.1f')}, transfer "
+        lines += ["", f"gold F1 target {num(g['mean']['target']['f1'], '.1f')}, transfer "
                    f"{num(g['mean']['transfer']['f1'], '.1f')} (EM {num(g['mean']['target']['em'], '.1f')} / "
                    f"{num(g['mean']['transfer']['em'], '.1f')}); gap target - transfer {num(g['mean_gap'], '+.1f')} F1 "
                    f"points, its drift {num(g['drift']['gap'], '+.2f')} points per turn; transfer scored against the "
                    f"target's own answers: F1 {num(a['mean'], '.1f')}, drift {num(a['drift_per_turn'], '+.2f')} per turn"]
     if rows:
-        report += ["", "## Prefill vs transfer (seconds, median)", "", f"{hardware(args.device)}; {dtype}", "",
+        lines += ["", "## Prefill vs transfer (seconds, median)", "", f"{hardware(device)}; {dtype}", "",
                    format_rows(rows)]
     shown = {t: tasks.get(t).primary for t in summary if tasks.get(t).primary not in CORPUS}
     if shown:
         drawn = retention_png({t: summary[t] for t in shown}, shown, out / "retention.png", f"{src_name} -> {tgt_name}")
-        at = report.index("## Accuracy (%, 95% interval) and retention") + 2
-        report[at:at] = (["![retention](retention.png)", ""] if drawn else  # above the table it draws
+        at = lines.index("## Accuracy (%, 95% interval) and retention") + 2
+        lines[at:at] = (["![retention](retention.png)", ""] if drawn else  # above the table it draws
                          ["(no retention figure: matplotlib is not installed; pip install kvt[plots] draws it)", ""])
-    report += ["", f"wall time {time.time() - t0:.0f} s"]
-    write_atomic(out / "report.md", "\n".join(report) + "\n")
+    lines += ["", f"wall time {time.time() - t0:.0f} s"]
+    write_atomic(out / "report.md", "\n".join(lines) + "\n")
+    asked = {**dataclasses.asdict(s), "device": device, "batch_size": batch}   # as this rank ran them
     settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
-                for k, v in vars(args).items()}
+                for k, v in asked.items()}
     results = {"pair": [src_name, tgt_name], "mapper": name, "settings": settings, "k_used": k_used,
                "lambda": mapper.meta.get("lambda"), "mapper_bytes": mapper.nbytes(), "fit_s": mapper.meta.get("fit_s"),
                "alpha": mapper.meta.get("alpha"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
                "tasks": summary, "average_retention": average, "context_gain": gains, "coqa": coqa, "lm_eval": lm_eval_results(summary),
                "bench": rows, "items": {task: [it.id for it in its] for task, its in items.items()},
-               "versions": versions(args.device), "wall_s": time.time() - t0}
+               "versions": versions(device), "wall_s": time.time() - t0}
     write_atomic(out / "results.json", json.dumps(strict(results), indent=1, allow_nan=False))
-    print("\n" + "\n".join(report[report.index("## Accuracy (%, 95% interval) and retention"):]))
+    print("\n" + "\n".join(lines[lines.index("## Accuracy (%, 95% interval) and retention"):]))
     print(f"\nwrote {out / 'report.md'} and {out / 'results.json'}")
-    dist.close()
     return results
-

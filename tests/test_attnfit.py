@@ -159,9 +159,7 @@ def test_run_refuses_attention_weights_outside_head_scope():
     """`kvt run --token-weights attention` without --scope head is one line before any work, and
     --scope head-local is kvt's head scope by another name. Guards: the refusal reached only after the
     models load, or head-local refused as an unknown scope."""
-    from kvt.pipeline import check_args, parse_args
+    from kvt.pipeline import Settings, parse_args
     with pytest.raises(KvtError, match="add --scope head"):
-        check_args(parse_args(["--token-weights", "attention"]))
-    args = parse_args(["--scope", "head-local", "--token-weights", "attention"])
-    check_args(args)
-    assert args.scope == "head"
+        Settings.from_args(parse_args(["--token-weights", "attention"]))
+    assert Settings.from_args(parse_args(["--scope", "head-local", "--token-weights", "attention"])).scope == "head"

@@ -201,6 +201,6 @@ def test_heldout_text_that_is_calibration_text_is_refused(tmp_path):
     (tmp_path / "test.txt").write_text("text")
     args = argparse.Namespace(heldout=[str(tmp_path / "test.txt")], calib=[tmp_path])
     with pytest.raises(KvtError, match="is calibration text too"):
-        heldout_texts(args, is_toy=False)
+        heldout_texts(args)
     args.calib = [tmp_path / "valid.txt"]
-    assert heldout_texts(args, is_toy=False)[0][0] == "test.txt"
+    assert heldout_texts(args)[0][0] == "test.txt"

@@ -7,6 +7,7 @@ the right pair passes. The fingerprint itself (kvt.weights.weights_fingerprint) 
 checkpoint folder and for that folder loaded in memory by kvt or by transformers, in float32 or bfloat16.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_pipeline_checks_a_reused_mapper_against_the_models(fitted, tmp_path):
     kvt's file fingerprints) reused for other weights."""
     from kvt import pipeline
     s, t, mapper, path = fitted
-    args = pipeline.parse_args(["--source", "S", "--target", "T", "--out", str(tmp_path)])
+    args = pipeline.Settings(source=Path("S"), target=Path("T"), out=tmp_path)
     skey = {"format": "s", "source": "x", "target": "y"}
     name = pipeline.mapper_name(args, skey)
     t_ = load_file(str(path))
