@@ -49,7 +49,7 @@ import torch
 
 from kvt.config import KvtError, at_least, check_matched_kv, command, matched_kv, parse_pair, shape
 from kvt.model import layer_device
-from kvt.stats import candidate_layers, groups, holds
+from kvt.stats import candidate_layers, groups
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
 USABLE = 0.92                                            # of each device; the rest: CUDA context, cuBLAS and
@@ -148,6 +148,12 @@ def working_bytes(src_cfg, tgt_cfg, devices, tokens, dtype=torch.float32):
 
 
 # ---- calibration's statistics: what each pass holds --------------------------------------------------
+
+def holds(device, dtype, products=torch.float32):
+    """Whether float32 products are held apart from sums of `dtype` on `device` (fast.Pending): on a CPU,
+    where adding them to float64 sums batch by batch cost as much as the products themselves."""
+    return torch.device(device).type == "cpu" and dtype != products
+
 
 def sums_bytes(G, F, O, itemsize=8):
     """Bytes of the four Sums (K, V x fit, val) of one Stats (float64: itemsize 8; float32: 4)."""

@@ -90,12 +90,6 @@ class Sums:
         return [getattr(self, f) for f in FIELDS]
 
 
-def holds(device, dtype, products=torch.float32):
-    """Whether float32 products are held apart from sums of `dtype` on `device` (Pending): on a CPU,
-    where adding them to float64 sums batch by batch cost as much as the products themselves."""
-    return torch.device(device).type == "cpu" and dtype != products
-
-
 def blocks(idx, size):
     """Block numbers [i, j, ...] -> element indices [i*size .. i*size+size-1, j*size ..] (LongTensor)."""
     idx = torch.as_tensor(idx, dtype=torch.long)
