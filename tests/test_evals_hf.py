@@ -26,6 +26,9 @@ from conftest import SHARED, SMOLLM2 as CKPT
 
 import kvt
 from kvt import evals as E
+from kvt import tasks
+from kvt.scoring import mc_metrics
+from kvt.summary import summarize
 
 DATA = SHARED / "data"
 N = int(os.environ.get("KVT_HF_ITEMS", "100"))
@@ -76,16 +79,16 @@ def models():
 def test_choices_equal_transformers(models, task):
     ours, tok, theirs, hf_tok = models
     bos = tok.encode("")  # what kvt's tokenizer puts first (SmolLM2: nothing), given to both sides
-    items = E.load_task(task, DATA, limit=N)
+    items = tasks.load_task(task, DATA, limit=N)
     recs = list(E.evaluate(task, items, tok, {"target": E.Condition(ours)}, progress=True))
     worst, differ = 0.0, []
     for item, rec in zip(items, recs):
         lls, _ = hf_loglikelihoods(theirs, hf_tok, item.context, [" " + c for c in item.choices], bos)
-        ref = E.mc_metrics(lls, item.choices, item.gold)
+        ref = mc_metrics(lls, item.choices, item.gold)
         worst = max(worst, max(abs(a - b) for a, b in zip(lls, rec["lls"])))
         if (ref["pred"], ref["pred_norm"]) != (rec["pred"], rec["pred_norm"]):
             differ.append((item.id, lls, rec["lls"]))
-    s = E.summarize(recs)[task]["target"]
+    s = summarize(recs)[task]["target"]
     print(f"\n{task}: n={s['n']} acc={s['acc']:.4f} {s['acc_ci']} acc_norm={s['acc_norm']:.4f} "
           f"{s['acc_norm_ci']}; max |loglik difference| vs transformers {worst:.2e}")
     assert not differ, f"{len(differ)} items choose differently, e.g. {differ[:2]}"
