@@ -38,6 +38,8 @@ Alpha is picked per (target layer, head, kind) on the fit region and applied to 
 region's sums too; lambda is picked on the weighted validation error, and the R^2 reported is the
 plain (unweighted) validation R^2 of that fit, comparable with a uniform fit's.
 """
+import hashlib
+import json
 import math
 
 import torch
@@ -46,7 +48,7 @@ from kvt import rope
 from kvt.capture import features, layer_features
 from kvt.config import KvtError, check_matched_kv
 from kvt.ridge import LAMBDAS, _check_val, best_lambda, eigen, sse, sst
-from kvt.stats import KINDS, SPLITS, Stats, Sums, blocks, groups
+from kvt.stats import KINDS, SAVE_S, SPLITS, Stats, Sums, accumulate, blocks, groups
 
 BOUNDARIES = 32  # prefix lengths per calibration sequence at which the target's query is taken
 
@@ -107,9 +109,9 @@ def new_weighted_stats(src_cfg, tgt_cfg, selected, device=None, key=""):
                  meta={"selected": {kind: selected[kind].tolist() for kind in KINDS}})
 
 
-def add_weighted(stats, split, src_kv, tgt_kvr, pending=None, products=None):
+def add_weighted(stats, split, src_kv, tgt_kvr, pending=None):
     """stats.add_batch's twin for the r-weighted sums: one batch of source KV (capture) and target KV
-    with its weights (capture_weighted) added to a split, in float64 (pending, products: unused)."""
+    with its weights (capture_weighted) added to a split, in float64 (pending: unused)."""
     device = stats.part("k", split).xx.device
     for i, kind in enumerate(KINDS):
         sel = stats.meta["selected"][kind]                                  # (Lt, k) source layers, ascending
@@ -187,3 +189,23 @@ def fit_layers(stats, wstats, kind, selected, lams=LAMBDAS, skipped=None, host=F
         if alphas is not None:
             alphas[t] = a.tolist()
     return out
+
+
+def weighted_fits(source, target, calib, stats, selected, lams=LAMBDAS, skipped=None, batch_size=1, checkpoint=None,
+                  key="", save_s=SAVE_S, progress=True):
+    """Step 4 of mapper.calibrate with attention weights: a second pass over calib (stats.accumulate with
+    capture_weighted and add_weighted) streams the r-weighted sums of every target layer's selected
+    source layers (selected: kind -> (Lt, k)), checkpointed as CHECKPOINT.attn-<id of the selection>;
+    then fit_layers blends them into the first pass's plain sums `stats` per kind. Returns (fits
+    {kind: {target layer: (W, b, R^2, lambda)}}, alphas {kind: {target layer: [alpha per head]}});
+    skipped {kind: {}} gets the singular lambdas."""
+    sel_id = hashlib.sha256(json.dumps({kind: selected[kind].tolist() for kind in KINDS}).encode()).hexdigest()[:8]
+    device = stats.part("k", "fit").xx.device
+    wstats = new_weighted_stats(source.config, target.config, selected, device, f"{key}-attn-{sel_id}")
+    accumulate(source, target, calib, wstats, batch_size, checkpoint and f"{checkpoint}.attn-{sel_id}",
+               save_s=save_s, progress=progress, add=add_weighted, capture_target=capture_weighted)
+    skipped = skipped if skipped is not None else {kind: {} for kind in KINDS}
+    alphas = {kind: {} for kind in KINDS}
+    fits = {kind: fit_layers(stats, wstats, kind, selected[kind], lams, skipped[kind], host=True, alphas=alphas[kind])
+            for kind in KINDS}
+    return fits, alphas

@@ -125,7 +125,8 @@ FLUSH = 8192       # tokens of products held in the products' dtype before they 
 def add_batch(stats, split, src_kv, tgt_kv, pending, products=torch.float32):
     """stats.add_batch through `pending` (the caller's dict of Pending, one per sums; stats.flush(pending)
     completes the sums), what is pending for the other split flushed first, so that one split's
-    products are held at a time."""
+    products are held at a time. products: their dtype (accumulate(..., add=functools.partial(add_batch,
+    products=torch.float64)) for float64 ones)."""
     flush(p for name, p in pending.items() if not name.endswith(split))
     for name, x, y in batch_features(stats, split, src_kv, tgt_kv):
         pending.setdefault(name, Pending(stats.sums[name], products)).add_(x, y)

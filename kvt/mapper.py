@@ -218,7 +218,7 @@ def layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, checkpoint=Non
 
 
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, checkpoint=None, key="",
-              stats_device=None, tokenizer="", progress=True, products=torch.float32, stats_dtype=torch.float64,
+              stats_device=None, tokenizer="", progress=True, stats_dtype=torch.float64,
               candidates=None, group=None, keep_stats=True, save_s=SAVE_S, select=None, weights="uniform",
               add=add_batch):
     """Fit a ridge Mapper from source to target on a data.Calibration (fit and validation regions).
@@ -237,16 +237,15 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     fits are (CHECKPOINT.fit-<id>-<id of the fit>, a few hundred MiB), and its statistics checkpoint is
     deleted, so the disk holds the first pass and at most one other (the caller deletes the rest once
     the mapper is saved).
-    products: dtype of the per-batch statistics products; stats_dtype: dtype of the sums (float32 halves
-    their memory); candidates: how many source layers, spread evenly, to select from (default all).
+    stats_dtype: dtype of the sums (float32 halves their memory); candidates: how many source layers, spread evenly, to select from (default all).
     select: the layer-selection rule of step 2, a function (stats, kind, k, lams) -> LongTensor (Lt, k) of
     source layer numbers per target layer, ascending, read from the first pass's statistics (fit and
     validation parts, stats.src_layers); default the paper's top-k by single-layer R^2 (ridge.select_layers).
     weights: "uniform" (the paper's) or "attention" (CacheBridge's attention-weighted ridge, head scope
-    only, attnfit.py): after step 2, a second pass streams the r-weighted sums of each target layer's
-    selected layers (checkpointed as CHECKPOINT.attn-<id of the selection>), and step 4 blends them in.
+    only): step 4 is attnfit.weighted_fits, a second pass streaming the r-weighted sums of each target
+    layer's selected layers (checkpointed as CHECKPOINT.attn-<id of the selection>), blended into the fit.
     add: how a batch of the passes of steps 1 and 3 is added (stats.add_batch; run.py passes its fast
-    twin, fast.add_batch, and with it `products`).
+    twin, fast.add_batch).
     Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
     Returns (mapper, report): report["r2_single"][kind] (C, Lt) validation R^2 of single-layer fits of the
     C candidates, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the final fits."""
@@ -268,7 +267,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     def run_pass(name, scope_, src_layers=None, tgt_layers=None, final=True):
         stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device, stats_dtype, key)
         return accumulate(source, target, calib, stats, batch_size, checkpoint and f"{checkpoint}.{name}",
-                          save_s=save_s, final=final, progress=progress, products=products, add=add)
+                          save_s=save_s, final=final, progress=progress, add=add)
 
     skipped = {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}  # singular lambdas
     # 1. statistics over the candidate source layers, head-level where the pair has matched KV
@@ -283,17 +282,9 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         del stats                                      # free the first pass before the next allocates
         bound = layer_group_bound(src_cfg, tgt_cfg, k, group, candidates)
         fits, skipped["fit"] = layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, checkpoint, key, keep_stats)
-    elif weights == "attention":
-        sel_id = hashlib.sha256(json.dumps({kind: selected[kind].tolist() for kind in KINDS}).encode()).hexdigest()[:8]
-        wstats = attnfit.new_weighted_stats(src_cfg, tgt_cfg, selected, device, f"{key}-attn-{sel_id}")
-        wstats = accumulate(source, target, calib, wstats, batch_size, checkpoint and f"{checkpoint}.attn-{sel_id}",
-                            save_s=save_s, progress=progress, add=attnfit.add_weighted,
-                            capture_target=attnfit.capture_weighted)
-        fits, alphas = {}, {kind: {} for kind in KINDS}
-        for kind in KINDS:
-            fits[kind] = attnfit.fit_layers(stats, wstats, kind, selected[kind], lams, skipped["fit"][kind], host=True,
-                                            alphas=alphas[kind])
-        del wstats
+    elif weights == "attention":                       # kvt's option: a second, attention-weighted pass
+        fits, alphas = attnfit.weighted_fits(source, target, calib, stats, selected, lams, skipped["fit"], batch_size,
+                                             checkpoint, key, save_s, progress)
     else:
         fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
                 for kind in KINDS}

@@ -165,9 +165,9 @@ def batch_features(stats, split, src_kv, tgt_kv):
         yield f"{kind}.{split}", x.flatten(2), y.flatten(2)
 
 
-def add_batch(stats, split, src_kv, tgt_kv, pending=None, products=None):
-    """Add one batch of captured KV to a split: Sums.add_ (float64 products). pending, products: what the
-    fast twin (fast.add_batch) holds back until a flush point, and the dtype of its products; unused here."""
+def add_batch(stats, split, src_kv, tgt_kv, pending=None):
+    """Add one batch of captured KV to a split: Sums.add_ (float64 products). pending: the caller's dict of
+    what an adder holds back until a flush point (fast.add_batch's); this one holds nothing back."""
     for name, x, y in batch_features(stats, split, src_kv, tgt_kv):
         stats.sums[name].add_(x, y)
 
@@ -182,7 +182,7 @@ SAVE_S = 600.0     # seconds between statistics checkpoints: a pass of a large p
 
 
 def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, save_s=SAVE_S, final=True,
-               progress=True, products=torch.float32, add=add_batch, capture_target=capture):
+               progress=True, add=add_batch, capture_target=capture):
     """Stream every not-yet-seen sequence of calib.fit, then of calib.val, through both models into
     stats (in place); calib is a data.Calibration. Every `every` rounds what is pending is added to the
     sums (a flush point, the same with or without a checkpoint). With `path`, the statistics are saved
@@ -192,8 +192,8 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     the order an unbroken one does: bit-identical sums. final=False leaves the complete sums unsaved (a
     caller that saves what it fits from them instead; the last checkpoint stays for it to delete), and
     deletes a checkpoint before writing the next, so the disk never holds two of them.
-    products: the dtype of the fast adder's products. add, capture_target: what one batch adds and how the
-    target's side of it is captured (default: add_batch, capture; attnfit.py passes its weighted twins).
+    add, capture_target: what one batch adds and how the target's side of it is captured (default:
+    add_batch, capture; fast.add_batch is add's fast twin, attnfit.py passes its weighted twins).
 
     Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the
     batches are dealt out in rounds, one batch per rank, and the ranks' sums are all-reduced at every
@@ -222,7 +222,7 @@ def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, 
     for i, batches in enumerate(tqdm(rounds, desc=desc, disable=not progress or dist.rank() > 0)):
         for s, e in dist.shard(batches):                                     # this rank's batch, if any
             src, tgt = capture(source, ids[s:e].to(devices[0])), capture_target(target, ids[s:e].to(devices[1]))
-            add(stats, "fit" if s < n_fit else "val", src, tgt, pending, products)
+            add(stats, "fit" if s < n_fit else "val", src, tgt, pending)
         stats.seen = batches[-1][1]
         done = stats.seen == n
         if (i + 1) % every == 0 or done:                  # a flush point, with or without a path, so that a

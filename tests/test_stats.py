@@ -1,4 +1,6 @@
 """stats.py: streamed sums equal the batch computation, resume is bit-identical; plan.memory_plan adds up."""
+from functools import partial
+
 import pytest
 import torch
 from conftest import calib_of, tiny_config
@@ -34,8 +36,7 @@ def test_streamed_statistics_equal_the_batch_computation(pair, scope):
     """Guards: a wrong centering correction (the batch mean's share added back wrongly), batches that
     straddle the fit and validation regions, the diagnostics region leaking into the sums."""
     src, tgt, calib = pair
-    stats = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, scope), batch_size=3, progress=False,
-                       products=torch.float64)
+    stats = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, scope), batch_size=3, progress=False)
     for split, ids in (("fit", calib.fit), ("val", calib.val)):
         s, t = capture(src, ids), capture(tgt, ids)                         # everything in one batch
         for i, kind in enumerate("kv"):
@@ -202,7 +203,7 @@ def test_upper_part_of_the_gram_spans_chunks():
 def test_float32_products_stay_close_to_float64(pair):
     src, tgt, calib = pair
     run = lambda products: accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), progress=False,  # noqa: E731
-                                      products=products, add=fast.add_batch)
+                                      add=partial(fast.add_batch, products=products))
     exact, quick = run(torch.float64), run(torch.float32)
     for name in exact.sums:
         for f in ("xx", "xy"):
