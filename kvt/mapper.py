@@ -237,7 +237,8 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     fits are (CHECKPOINT.fit-<id>-<id of the fit>, a few hundred MiB), and its statistics checkpoint is
     deleted, so the disk holds the first pass and at most one other (the caller deletes the rest once
     the mapper is saved).
-    stats_dtype: dtype of the sums (float32 halves their memory); candidates: how many source layers, spread evenly, to select from (default all).
+    stats_dtype: dtype of the sums (float32 halves their memory); candidates: how many source layers,
+    spread evenly, to select from (default all).
     select: the layer-selection rule of step 2, a function (stats, kind, k, lams) -> LongTensor (Lt, k) of
     source layer numbers per target layer, ascending, read from the first pass's statistics (fit and
     validation parts, stats.src_layers); default the paper's top-k by single-layer R^2 (ridge.select_layers).
