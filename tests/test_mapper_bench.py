@@ -11,12 +11,13 @@
 On a machine shared with other jobs, run with OMP_NUM_THREADS=1: threads waiting on a busy core make
 every small op slow and the comparison meaningless.
 """
-import time
+import statistics
 
 import pytest
 import torch
 
 import kvt
+from kvt.bench import median_times
 from kvt.cache import Cache
 from kvt.capture import capture
 from kvt.config import Config
@@ -28,45 +29,46 @@ from kvt.stats import flush, new_stats
 pytestmark = pytest.mark.slow
 ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 N_TOKENS = 1024  # one calibration sequence of the paper's length
+ROUNDS = 5       # timed rounds after a warm-up
 SRC = Config("qwen3", 32000, 512, 14, 8, 4, 128, 1536, 1e-6, ROPE)
 TGT = Config("qwen3", 32000, 1024, 14, 8, 4, 128, 3072, 1e-6, ROPE)
 
 
-def median_time(fn, repeats=3):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def test_statistics_overhead_vs_forward_passes():
-    """Guards: statistics that cost more than a fifth of the forward passes they are fitted from (float64
-    products ran at +25-37% on these CPUs; float32 products added to the float64 sums batch by batch,
-    +28%). Timed as accumulate streams: FLUSH tokens of batches, then their flush, per batch."""
+    """Guards: the default adder running at the plain path's cost (its products in float64, which ran at
+    +25-37% of the forward passes on these CPUs, against +14-20% for the float32 ones), or statistics
+    costing over a quarter of the forward passes they are fitted from. Timed as accumulate streams:
+    FLUSH tokens of batches, then their flush, per batch. The forward passes and both streams are timed
+    in turn, round by round (bench.median_times), and each figure is the median over rounds of that
+    round's ratio: a spell of load on a shared host slows a round's three runs alike. The goal, at most
+    +20% on quiet cores, is measured in docs/measurements.md; a bound at the goal itself failed runs on
+    busy hosts where quiet runs of the same code read +14-19%, so this check holds a margin above it."""
     source, target = kvt.build_model(SRC, seed=0), kvt.build_model(TGT, seed=1)
     ids = torch.randint(0, 32000, (1, N_TOKENS), generator=torch.Generator().manual_seed(0))
     s, t = capture(source, ids), capture(target, ids)
-    forward = median_time(lambda: (capture(source, ids), capture(target, ids)))
-    rows, batches = {}, FLUSH // N_TOKENS                                  # a flush's worth of batches
+    batches = FLUSH // N_TOKENS                                            # a flush's worth of batches
+    sums = {products: new_stats(SRC, TGT, "head") for products in (torch.float64, torch.float32)}
 
-    def stream(stats, products):
+    def stream(products):
         pending = {}
         for _ in range(batches):
-            add_batch(stats, "fit", s, t, pending, products)
+            add_batch(sums[products], "fit", s, t, pending, products)
         flush(pending.values())
-    for products in (torch.float64, torch.float32):
-        stats = new_stats(SRC, TGT, "head")
-        rows[products] = median_time(lambda: stream(stats, products)) / batches
-    print(f"\n{N_TOKENS} tokens: forward passes {forward:.3f} s; statistics float64 products {rows[torch.float64]:.3f} s "
-          f"(+{rows[torch.float64] / forward:.0%}), float32 products (the default) {rows[torch.float32]:.3f} s "
-          f"(+{rows[torch.float32] / forward:.0%})")
-    assert rows[torch.float32] <= 0.2 * forward, "streaming statistics costs more than 20% of the forward passes"
+    forward, *streams = median_times([lambda: (capture(source, ids), capture(target, ids)),
+                                      lambda: stream(torch.float64), lambda: stream(torch.float32)], "cpu", ROUNDS)
+    f64, f32 = (statistics.median(x / batches / f for x, f in zip(st.times, forward.times)) for st in streams)
+    fast_share = statistics.median(a / b for a, b in zip(streams[1].times, streams[0].times))
+    print(f"\n{N_TOKENS} tokens: forward passes {forward:.3f} s; statistics per batch, over the forward passes of "
+          f"its round (median of {ROUNDS} rounds): float64 products +{f64:.0%}, float32 products (the default) "
+          f"+{f32:.0%}, {fast_share:.2f}x the float64 ones' time")
+    assert fast_share <= 0.75, f"the default float32 products take {fast_share:.2f}x the float64 ones' time"
+    assert f32 <= 0.25, f"streaming statistics costs {f32:.0%} of the forward passes, more than 25%"
 
 
 def test_apply_throughput_vs_matmul():
+    """Guards: a map that runs below half of this machine's fp32 matmul rate (the gathered features
+    copied to memory and back, a rotation pass per layer). The map and the matmul are timed in turn,
+    round by round (bench.median_times), and compared by the median over rounds of each round's ratio."""
     G, D, k, n = 4, 128, 8, 4096
     g = torch.Generator().manual_seed(0)
     layers = torch.stack([torch.randperm(SRC.n_layers, generator=g)[:k].sort().values for _ in range(TGT.n_layers)])
@@ -77,13 +79,14 @@ def test_apply_throughput_vs_matmul():
     pos = torch.arange(n)[None]
     cache = Cache(kv, kv, pos, torch.ones(1, n, dtype=torch.bool))
     flops = 2 * n * 2 * TGT.n_layers * G * k * D * D                         # K and V, every target layer
-    apply_s = median_time(lambda: fast.apply(mapper, cache))
     a, w = torch.randn(n, 1024), torch.randn(1024, 1024)
-    mm_s = median_time(lambda: a @ w, repeats=5)
     x = torch.randn(G, n, k * D)
-    bmm_s = median_time(lambda: torch.bmm(x, W["k"][0]), repeats=5)
-    apply_rate, mm_rate = flops / apply_s / 1e9, 2 * n * 1024 * 1024 / mm_s / 1e9
+    apply_s, mm_s, bmm_s = median_times([lambda: fast.apply(mapper, cache), lambda: a @ w,
+                                         lambda: torch.bmm(x, W["k"][0])], "cpu", ROUNDS)
+    mm_flops = 2 * n * 1024 * 1024
+    apply_rate, mm_rate = flops / apply_s / 1e9, mm_flops / mm_s / 1e9
     bmm_rate = 2 * G * n * k * D * D / bmm_s / 1e9
+    share = statistics.median((flops / ta) / (mm_flops / tm) for ta, tm in zip(apply_s.times, mm_s.times))
     print(f"\napply n={n}: {apply_s * 1e3:.1f} ms, {apply_rate:.1f} GFLOP/s; fp32 matmul {mm_rate:.1f} GFLOP/s "
-          f"({apply_rate / mm_rate:.0%}); the mapper's own bmm shape alone {bmm_rate:.1f} GFLOP/s")
-    assert apply_rate >= 0.5 * mm_rate, "mapper apply is below half of the measured matmul throughput"
+          f"(per round, median {share:.0%}); the mapper's own bmm shape alone {bmm_rate:.1f} GFLOP/s")
+    assert share >= 0.5, f"mapper apply runs at {share:.0%} of the measured matmul throughput, below half"
