@@ -41,8 +41,8 @@ def test_statistics_overhead_vs_forward_passes():
     FLUSH tokens of batches, then their flush, per batch. The forward passes and both streams are timed
     in turn, round by round (bench.median_times), and each figure is the median over rounds of that
     round's ratio: a spell of load on a shared host slows a round's three runs alike. The goal, at most
-    +20% on quiet cores, is measured in docs/measurements.md; a bound at the goal itself failed runs on
-    busy hosts where quiet runs of the same code read +14-19%, so this check holds a margin above it."""
+    +20% on quiet cores, is measured in docs/measurements.md; a bound at the goal itself failed a run on a
+    busy host where quiet runs of the same code read +14-19%, so this check holds a margin above it."""
     source, target = kvt.build_model(SRC, seed=0), kvt.build_model(TGT, seed=1)
     ids = torch.randint(0, 32000, (1, N_TOKENS), generator=torch.Generator().manual_seed(0))
     s, t = capture(source, ids), capture(target, ids)
