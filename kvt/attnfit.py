@@ -191,20 +191,19 @@ def fit_layers(stats, wstats, kind, selected, lams=LAMBDAS, skipped=None, host=F
     return out
 
 
-def weighted_fits(source, target, calib, stats, selected, lams=LAMBDAS, skipped=None, batch_size=1, checkpoint=None,
-                  key="", save_s=SAVE_S, progress=True):
+def weighted_fits(source, target, calib, stats, selected, lams, skipped, batch_size=1, checkpoint=None, key="",
+                  save_s=SAVE_S, progress=True):
     """Step 4 of mapper.calibrate with attention weights: a second pass over calib (stats.accumulate with
     capture_weighted and add_weighted) streams the r-weighted sums of every target layer's selected
     source layers (selected: kind -> (Lt, k)), checkpointed as CHECKPOINT.attn-<id of the selection>;
     then fit_layers blends them into the first pass's plain sums `stats` per kind. Returns (fits
     {kind: {target layer: (W, b, R^2, lambda)}}, alphas {kind: {target layer: [alpha per head]}});
-    skipped {kind: {}} gets the singular lambdas."""
+    skipped {kind: {}} (calibrate's) gets the singular lambdas."""
     sel_id = hashlib.sha256(json.dumps({kind: selected[kind].tolist() for kind in KINDS}).encode()).hexdigest()[:8]
     device = stats.part("k", "fit").xx.device
     wstats = new_weighted_stats(source.config, target.config, selected, device, f"{key}-attn-{sel_id}")
     accumulate(source, target, calib, wstats, batch_size, checkpoint and f"{checkpoint}.attn-{sel_id}",
                save_s=save_s, progress=progress, add=add_weighted, capture_target=capture_weighted)
-    skipped = skipped if skipped is not None else {kind: {} for kind in KINDS}
     alphas = {kind: {} for kind in KINDS}
     fits = {kind: fit_layers(stats, wstats, kind, selected[kind], lams, skipped[kind], host=True, alphas=alphas[kind])
             for kind in KINDS}
