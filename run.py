@@ -4,7 +4,7 @@
     python run.py --pair qwen3-14b:32b     # weights/qwen3-14b -> weights/qwen3-32b
     python run.py --help                   # every option
 
-The code is kvt/pipeline.py (the last stage of the data flow); kvt/cli.py turns errors into one line.
+The code is kvt/harness/pipeline.py (the last stage of the data flow); kvt/cli.py turns errors into one line.
 """
 import sys
 

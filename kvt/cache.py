@@ -16,7 +16,7 @@ is a cache that owns free slots after its last one and appends there in place, a
 
 A cache as a file (save_kv, load_kv): one sequence's keys and values per layer, its positions and token
 ids, and the fingerprints of the model and tokenizer that made it, as safetensors; what a source serving
-engine writes for a target engine's connector to map (kvt/serving.py).
+engine writes for a target engine's connector to map (kvt/integrations/serving.py).
 """
 from dataclasses import dataclass, replace
 
@@ -89,7 +89,7 @@ def empty(n_layers, batch, device=None):
     return Cache([None] * n_layers, [None] * n_layers, none, none.bool(), full=True)
 
 
-# ---- a cache as a file: what a serving engine saves for another to load (kvt/serving.py) -----------------
+# ---- a cache as a file: what a serving engine saves for another to load (kvt/integrations/serving.py) -----------------
 
 KV_FORMAT = "kvt-kv-1"
 

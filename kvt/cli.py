@@ -1,13 +1,13 @@
 """The `kvt` command (installed by `pip install .`): one entry for every stage that has a command line.
 
-    kvt run [options]          calibrate, evaluate, benchmark and report on a pair (kvt/pipeline.py; = python run.py)
-    kvt bench [options]        prefill vs transfer on random weights of named shapes (kvt/bench.py)
-    kvt plan [options]         the memory plan of a pair on named GPUs (kvt/plan.py)
-    kvt toy train [options]    retrain the toy family (kvt/toy.py)
-    kvt family build [options] build a pruned and healed sibling of a checkpoint (kvt/family.py)
-    kvt figures r2|gate ...    the layer R^2 map of a pair; diagnostics against retention (kvt/figures.py)
-    kvt cascade RECORDS        a small -> large cascade from a run's records: accuracy against cost (kvt/cascade.py)
-    kvt course list|make|grade|answers   assignments cut out of kvt for students, their autograder, the exercises' answers (kvt/course.py)
+    kvt run [options]          calibrate, evaluate, benchmark and report on a pair (kvt/harness/pipeline.py; = python run.py)
+    kvt bench [options]        prefill vs transfer on random weights of named shapes (kvt/harness/bench.py)
+    kvt plan [options]         the memory plan of a pair on named GPUs (kvt/harness/plan.py)
+    kvt toy train [options]    retrain the toy family (kvt/harness/toy.py)
+    kvt family build [options] build a pruned and healed sibling of a checkpoint (kvt/teach/family.py)
+    kvt figures r2|gate ...    the layer R^2 map of a pair; diagnostics against retention (kvt/harness/figures.py)
+    kvt cascade RECORDS        a small -> large cascade from a run's records: accuracy against cost (kvt/teach/cascade.py)
+    kvt course list|make|grade|answers   assignments cut out of kvt for students, their autograder, the exercises' answers (kvt/teach/course.py)
 
 A problem the user can fix ends as one line on stderr, `kvt: ...`, with exit status 2 (argparse's own
 errors exit 2 too); Ctrl-C ends with exit status 130 and a line saying whether a rerun resumes (run and

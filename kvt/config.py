@@ -22,7 +22,7 @@ class KvtError(Exception):
 
 
 def command(main, argv=None, resumes=False):
-    """Run a command's main(argv) as `kvt` runs it (kvt/cli.py; `python -m kvt.bench` and the like too): a
+    """Run a command's main(argv) as `kvt` runs it (kvt/cli.py; `python -m kvt.harness.bench` and the like too): a
     KvtError ends as one line `kvt: ...` on stderr with exit status 2; Ctrl-C with exit status 130 and a
     line saying whether a rerun resumes (resumes: the command keeps checkpoints a rerun picks up)."""
     try:
@@ -240,8 +240,8 @@ def download_hint(path):
     name = Path(path).name
     if Path(path).parent.name == "snapshots" and Path(path).parent.parent.name.startswith("models--"):
         return "hf download " + Path(path).parent.parent.name.removeprefix("models--").replace("--", "/")  # the cache's
-    if name.startswith("toy-"):  # the toy family is trained, not downloaded (kvt/toy.py)
-        return f"python -m kvt.toy train --out {Path(path).parent} --members {name}"
+    if name.startswith("toy-"):  # the toy family is trained, not downloaded (kvt/harness/toy.py)
+        return f"python -m kvt.harness.toy train --out {Path(path).parent} --members {name}"
     repo = SHAPES[name][0] if name in SHAPES else "<hub-repo>"
     return f"hf download {repo} --local-dir {path}"
 

@@ -25,7 +25,7 @@ from kvt import model as model_
 from kvt import rope
 from kvt.cache import Cache
 from kvt.capture import layer_features, unfeatures
-from kvt.plan import holds
+from kvt.harness.plan import holds
 from kvt.stats import KINDS, Sums, batch_features, flush, groups
 
 # ---- the cache: appended in place (gpt-fast's k_out[:, :, input_pos] = k_val) --------------------------

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from kvt import fast, rope
 from kvt.config import KvtError
-from kvt.model import attend, layer_devices
+from kvt.model import attend
+from kvt.loading import layer_devices
 
 
 def _dtype_device(model):
@@ -94,7 +95,7 @@ def handoff(source, target, mapper, ids, mask=None, recompute=Recompute(), plain
 
 @torch.no_grad()
 def take_over(target, mapper, src_cache, last_ids, last_mask=None, slots=None, slot_ids=None, plain=False):
-    """The target's side of a handoff (what kvt.bench times): map the source's cache of the first T - 1
+    """The target's side of a handoff (what kvt.harness.bench times): map the source's cache of the first T - 1
     prompt tokens into a cache of the target's, recompute `slots` (their
     token ids slot_ids (B, n)) with the target when given, and run the last prompt token (B, 1) on it,
     appending its K and V after them. Returns (logits (B, 1, V), Cache of T slots). plain=True: the plain
@@ -205,7 +206,7 @@ def next_nll(source, target, mapper, ids, context, plain=False):
 
 
 # The gate's default thresholds, fitted to every pair measured with kvt (docs/real-weights.md, "The
-# gate, validated across pairs": `python -m kvt.figures gate runs/*/results.json`, 17 runs): the KL limit with the most
+# gate, validated across pairs": `python -m kvt.harness.figures gate runs/*/results.json`, 17 runs): the KL limit with the most
 # agreements with "kept 90% of the target's accuracy" (15 of 17), rounded up to 0.15 inside the gap it
 # falls in (0.149 to 0.219); any cosine floor up to 0.886 agrees as often, and the tightest of them keeps
 # the paper's diagnostic in the gate. Few pairs, most of them toys, and a leave-one-out check calls 12

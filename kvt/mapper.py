@@ -29,12 +29,13 @@ import torch
 from tqdm import tqdm
 
 import kvt
-from kvt import attnfit, checkpoint, dist, ridge, rope
+from kvt.harness import attnfit, files as checkpoint, dist
+from kvt import ridge, rope
 from kvt import mlp as mlp_
 from kvt.cache import Cache
 from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv, matched_kv
-from kvt.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
+from kvt.harness.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
 from kvt.stats import KINDS, SAVE_S, accumulate, add_batch, candidate_layers, groups, new_stats
 from kvt.weights import model_fingerprint
 

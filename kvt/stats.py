@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvt import checkpoint, dist
+from kvt.harness import files as checkpoint, dist
 from kvt.capture import capture, features
 from kvt.config import KvtError, check_matched_kv
 
@@ -157,7 +157,7 @@ def groups(src_cfg, tgt_cfg, scope):
 def batch_features(stats, split, src_kv, tgt_kv):
     """(sums name, x (G, N, Ls*Bx), y (G, N, Lt*By)) for K and V of one batch of captured KV (capture()'s
     (keys, values) of source and target) in a split, on the statistics' device (layers of models split
-    across devices, model.place, are brought there)."""
+    across devices, loading.place, are brought there)."""
     device = stats.part("k", split).xx.device
     for i, kind in enumerate(KINDS):
         x = features([src_kv[i][l].to(device) for l in stats.src_layers], stats.scope)  # (G, N, Ls, Bx)

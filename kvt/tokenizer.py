@@ -67,7 +67,7 @@ class Tokenizer:
 
     def hash(self):
         """A hash of the whole tokenizer.json (vocabulary, merges, normalizer, pre-tokenizer): equal hashes,
-        equal ids for any text (what cached token ids are keyed by, kvt/data.py)."""
+        equal ids for any text (what cached token ids are keyed by, kvt/harness/data.py)."""
         return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
 
     def fingerprint(self):

@@ -7,7 +7,7 @@
 Every condition a run evaluates (target, floor, source, transfer) on the same items; the transfer uses a
 random mapper of the pair's shapes (timing needs no fit). Each round times evaluate() once per batch
 size, in turn, after a warm-up round; the table gives each size's median seconds, min and max, and the
-speedup over the first size twice: of the medians and per round (kvt.bench.per_round). The last lines
+speedup over the first size twice: of the medians and per round (kvt.harness.bench.per_round). The last lines
 say how far the batched records are from the first size's: the largest loglikelihood difference and how
 many generated outputs differ.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 import kvt
-from kvt import evals, tasks
-from kvt.bench import Timing, hardware, per_round, random_mapper
+from kvt.harness import evals, tasks
+from kvt.harness.bench import Timing, hardware, per_round, random_mapper
 
 
 def run_once(task_items, tok, conds, batch, max_new_tokens):

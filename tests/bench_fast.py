@@ -17,7 +17,7 @@ import torch
 
 import kvt
 from kvt import fast, model as model_, stats
-from kvt.bench import copier, hardware, last_step_bytes, median_times, random_mapper
+from kvt.harness.bench import copier, hardware, last_step_bytes, median_times, random_mapper
 from kvt.cache import Cache
 from kvt.capture import capture
 from kvt.config import Config, shape

@@ -22,7 +22,7 @@ import transformers as tf
 from torch.profiler import profile
 
 import kvt
-from kvt.bench import Timing, hardware, per_round
+from kvt.harness.bench import Timing, hardware, per_round
 from kvt.fast import generate, keep_freed_memory
 
 
@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--linear", action="store_true", help="time one token through each weight instead")
     ap.add_argument("--profile", type=int, default=0, help="profile this many prefills per side instead")
     args = ap.parse_args()
-    keep_freed_memory()  # as kvt.bench and run.py do; both sides alike
+    keep_freed_memory()  # as kvt.harness.bench and run.py do; both sides alike
     sides = "torch.mv ms | F.linear ms" if args.linear else "kvt s | transformers s"
     print(f"{args.shape}: {hardware()}, transformers {tf.__version__}; median (min-max) of {args.repeats} "
           f"after a warm-up; ratio = {'F.linear / torch.mv' if args.linear else 'transformers / kvt'}")

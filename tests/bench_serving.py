@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 import kvt
-from kvt import toy
-from kvt.data import calibration_sequences
+from kvt.harness import toy
+from kvt.harness.data import calibration_sequences
 from kvt.handoff import diagnose
 from kvt.mapper import calibrate, save_mapper
 from tests.test_vllm import ROOT, engine

@@ -86,7 +86,7 @@ def one_thread():
 def calib_of(ids, val=2, diag=2):
     """A data.Calibration of random ids (n, T): the last `diag` rows for diagnostics, the `val` rows before
     them for validation, the rest to fit (data.calibration_sequences draws these from text)."""
-    from kvt.data import Calibration
+    from kvt.harness.data import Calibration
     n = len(ids) - val - diag
     return Calibration(ids[:n], ids[n:n + val], ids[n + val:])
 
@@ -95,7 +95,7 @@ def calib_of(ids, val=2, diag=2):
 def tiny_pair(tmp_path_factory):
     """Checkpoint folders source/ and twin/: a random tiny model and its function-preserving twin (an
     exact linear KV map away), sharing one toy tokenizer: run.py end to end in seconds."""
-    from kvt import toy
+    from kvt.harness import toy
     root = tmp_path_factory.mktemp("pair")
     tok = toy.train_tokenizer(toy.corpus(300))
     cfg = tiny_config(vocab_size=tok.get_vocab_size(), n_layers=3, dim=96, n_heads=4, head_dim=24, max_seq_len=1024)

@@ -3,7 +3,7 @@
     python -m tests.gpu_check --out $OUT          # cuda: the bench and a calibration, each into $OUT
     python -m tests.gpu_check --device cpu --small --out /tmp/gpu   # 0.6b -> 1.7b, toy lengths: try it here
 
-1. kvt.bench at 8K and 32K tokens on random weights of the qwen3-1.7b and qwen3-4b shapes, bf16, head
+1. kvt.harness.bench at 8K and 32K tokens on random weights of the qwen3-1.7b and qwen3-4b shapes, bf16, head
    scope (synchronized before every clock read; median of 5): bench.txt, bench.json.
 2. A calibration with its statistics on the GPU (the paper's layer scope, k = 8, float32 products
    into float64 sums), qwen3-1.7b -> 4b shapes, 32 random sequences of 1,024 tokens, timed against
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 import kvt
-from kvt import bench
+from kvt.harness import bench
 from kvt.config import parse_pair
-from kvt.data import Calibration
+from kvt.harness.data import Calibration
 from kvt.mapper import calibrate
 
 
@@ -70,10 +70,10 @@ def headline_check(device, out, small):
     import dataclasses
     import shutil
 
-    from kvt import pipeline
-    from kvt.bench import peak_memory_gb, reset_peak_memory
+    from kvt.harness import pipeline
+    from kvt.harness.bench import peak_memory_gb, reset_peak_memory
     from kvt.config import shape
-    from kvt.plan import capacity, plan, split_to_fit
+    from kvt.harness.plan import capacity, plan, split_to_fit
     from kvt.weights import save_model
     shared = Path(__file__).resolve().parents[1].parent / "shared"
     names = ("qwen3-0.6b", "qwen3-0.6b") if small else ("qwen3-14b", "qwen3-32b")

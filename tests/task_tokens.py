@@ -1,5 +1,5 @@
 """Tokens the headline run reads and writes per evaluated item, per task: the numbers behind the
-evaluation row of `kvt plan` (kvt/plan.py, EVAL_TOKENS).
+evaluation row of `kvt plan` (kvt/harness/plan.py, EVAL_TOKENS).
 
     python -m tests.task_tokens --data-dir ../shared/data --tokenizer ../shared/tokenizers/qwen3
 
@@ -10,7 +10,7 @@ most tokens an item may generate (the task's max_new_tokens; CoQA: per answered 
 import argparse
 import statistics
 
-from kvt import tasks
+from kvt.harness import tasks
 from kvt.tokenizer import load_tokenizer
 
 

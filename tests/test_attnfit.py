@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import kvt
-from kvt import attnfit, ridge
+from kvt.harness import attnfit
+from kvt import ridge
 from kvt.config import KvtError
 from kvt.mapper import calibrate
 from kvt.stats import FIELDS, Sums, accumulate, load_stats
@@ -159,7 +160,7 @@ def test_run_refuses_attention_weights_outside_head_scope():
     """`kvt run --token-weights attention` without --scope head is one line before any work, and
     --scope head-local is kvt's head scope by another name. Guards: the refusal reached only after the
     models load, or head-local refused as an unknown scope."""
-    from kvt.pipeline import Settings, parse_args
+    from kvt.harness.pipeline import Settings, parse_args
     with pytest.raises(KvtError, match="add --scope head"):
         Settings.from_args(parse_args(["--token-weights", "attention"]))
     assert Settings.from_args(parse_args(["--scope", "head-local", "--token-weights", "attention"])).scope == "head"

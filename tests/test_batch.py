@@ -8,10 +8,10 @@ import torch
 from conftest import ROOT, calib_of
 
 import kvt
-from kvt import evals as E
-from kvt import scoring, toy
-from kvt import tasks as T
-from kvt.data import calibration_sequences
+from kvt.harness import evals as E
+from kvt.harness import scoring, toy
+from kvt.harness import tasks as T
+from kvt.harness.data import calibration_sequences
 from kvt.mapper import calibrate
 from kvt.tokenizer import end_ids
 
@@ -214,8 +214,8 @@ def test_default_batch_follows_the_prompts_and_the_plan(toy_run):
     CPU and on an H200 for Qwen3-14B -> 32B a power of two that shrinks as prompts grow, 1 where only the
     weights fit (an H100)."""
     from kvt.config import shape
-    from kvt.pipeline import eval_shape
-    from kvt.plan import CPU_EVAL_BATCH, capacity, eval_batch
+    from kvt.harness.pipeline import eval_shape
+    from kvt.harness.plan import CPU_EVAL_BATCH, capacity, eval_batch
     tok = toy_run[0]
     conv = T.Conversation("c", "the pets : anna cat .", ["anna ?", "ben ?"], [["cat"], ["dog"]])
     items = {"toy_recall": T.load_task("toy_recall", None, 3, n=40), "coqa": [conv]}

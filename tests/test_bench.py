@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import kvt
-from kvt import bench as B
-from kvt.bench import bench, bench_lean, random_mapper, token_ids, transfer_step
+from kvt.harness import bench as B
+from kvt.harness.bench import bench, bench_lean, random_mapper, token_ids, transfer_step
 from kvt.handoff import Recompute, handoff
-from kvt.plan import forward_flops
+from kvt.harness.plan import forward_flops
 from tests.conftest import tiny_config
 
 SMALL, LARGE = tiny_config(n_layers=2), tiny_config(n_layers=3, dim=96)

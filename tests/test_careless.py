@@ -1,7 +1,7 @@
 """kvt's newer surfaces tried as a careless user would, and absurd but parseable numbers.
 
 Absurd but parseable numbers to run.py (a lambda of 1e308, a gate threshold no KL reaches, batch sizes of
-10^9, lengths past max_position_embeddings), bad model_args to `python -m kvt.lm_eval`, `kvt plan` on
+10^9, lengths past max_position_embeddings), bad model_args to `python -m kvt.integrations.lm_eval`, `kvt plan` on
 pairs and counts that mean nothing, `kvt course grade` on a tampered grader or a student copy that does
 not parse, `kvt cascade` on a folder or on records of another run, and the Hugging Face cache with a
 broken refs/main, a missing shard or links into blobs that are gone. Each case ends in one line that says
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvt
-from kvt import pipeline as run
+from kvt.harness import pipeline as run
 from kvt.config import KvtError
 from tests.conftest import QWEN3_CONFIG, ROOT, SHARED, calib_of, hub_checkpoint
 
@@ -94,15 +94,15 @@ def test_absurd_sizes_run_as_stated(tiny_pair, tmp_path):
             torch.testing.assert_close(r["lls"], by["target", id_]["lls"], rtol=1e-4, atol=1e-4)
 
 
-# ---- python -m kvt.lm_eval: model_args -------------------------------------------------------------------------
+# ---- python -m kvt.integrations.lm_eval: model_args -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def lm(tiny_pair, tmp_path_factory):
     """KvtLM, and a mapper file fitted on toy-s -> toy-m (another pair than tiny_pair's)."""
     pytest.importorskip("lm_eval")
-    from kvt import toy
-    from kvt.data import calibration_sequences
-    from kvt.lm_eval import KvtLM
+    from kvt.harness import toy
+    from kvt.harness.data import calibration_sequences
+    from kvt.integrations.lm_eval import KvtLM
     from kvt.mapper import calibrate, save_mapper
     tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
     calib = calibration_sequences(None, tok, 12, 40, documents=toy.corpus(100, seed=99))
@@ -206,7 +206,7 @@ def test_plan_refuses_what_it_cannot_plan(case):
     """Guards: kvt plan planning a qwen3 -> llama pair (no shared tokenizer: no transfer exists), a context of
     10^9 tokens or --k 99 on a 40-layer source as if they could run, an unknown task priced at a made-up
     1,000 tokens, and --count 10^5 ending in "RuntimeError: Invalid device string: 'cuda:-128'"."""
-    from kvt import plan
+    from kvt.harness import plan
     _, args, words = case
     with pytest.raises(KvtError) as e:
         plan.main(args)
@@ -215,7 +215,7 @@ def test_plan_refuses_what_it_cannot_plan(case):
 
 def test_plan_unknown_device_is_argparses_one_line(capsys):
     """An unknown --device is argparse's error (exit 2) naming the choices."""
-    from kvt import plan
+    from kvt.harness import plan
     with pytest.raises(SystemExit) as e:
         plan.main(["--device", "a100"])
     assert e.value.code == 2 and "invalid choice: 'a100' (choose from 'h100', 'h200')" in capsys.readouterr().err
@@ -226,7 +226,7 @@ def test_plan_unknown_device_is_argparses_one_line(capsys):
 @pytest.fixture(scope="module")
 def assignment(tmp_path_factory):
     """A made rope assignment (student copy, grader) with the reference bodies kept (--solution)."""
-    from kvt import course
+    from kvt.teach import course
     root = tmp_path_factory.mktemp("course")
     return course.make("rope", root / "s", solution=True)
 
@@ -241,7 +241,7 @@ def tampered(grader, tmp_path, change):
 COURSE_CASES = [
     ("grader missing", lambda s, g, t: (s, t / "nope"), ["is not a kvt grader folder", "give the -grader folder"]),
     ("grader is the student copy", lambda s, g, t: (s, s), ["is not a kvt grader folder"]),
-    ("student copy missing", lambda s, g, t: (t / "nope", g), ["no such folder", "kvt.course make"]),
+    ("student copy missing", lambda s, g, t: (t / "nope", g), ["no such folder", "kvt.teach.course make"]),
     ("expected values edited", lambda s, g, t: (s, tampered(g, t, lambda c: (c / "expected.safetensors").write_bytes(
         (c / "expected.safetensors").read_bytes()[:-8] + b"\0" * 8))), ["expected.safetensors was changed or removed",
                                                                          "make the assignment again"]),
@@ -272,7 +272,7 @@ def test_course_grade_refuses_a_bad_folder(assignment, tmp_path, case):
     another assignment) grading against other answers, or every function "not run" with pytest's
     file-not-found; a student copy with a syntax error scored 0 everywhere with "SyntaxError: invalid
     syntax" and no file or line."""
-    from kvt import course
+    from kvt.teach import course
     student, grader = assignment
     _, make, words = case
     folder, g = make(student, grader, tmp_path)
@@ -284,7 +284,7 @@ def test_course_grade_refuses_a_bad_folder(assignment, tmp_path, case):
 def test_course_grade_stops_an_endless_loop(assignment, tmp_path, capsys):
     """A student's rope.rotate that never returns: every function is scored 0 with the reason, not a hang.
     (Held already; guards the grader's timeout.)"""
-    from kvt import course
+    from kvt.teach import course
     student, grader = assignment
     copy = student_copy(student, tmp_path, "\n\ndef rotate(x, cos, sin):\n    while True:\n        pass\n")
     earned, _ = course.grade(copy, grader, timeout=20)
@@ -298,7 +298,7 @@ def test_course_grade_stops_an_endless_loop(assignment, tmp_path, capsys):
     (lambda s, t: ["rope", t / "no" / "such" / "a"], ["does not exist", "create it first"]),
 ], ids=["unknown assignment", "out not empty", "parent missing"])
 def test_course_make_refuses_a_bad_request(assignment, tmp_path, args, words):
-    from kvt import course
+    from kvt.teach import course
     with pytest.raises(KvtError) as e:
         course.make(*args(assignment[0], tmp_path))
     one_line(e, words)
@@ -340,7 +340,7 @@ def test_cascade_refuses_records_it_cannot_use(runs, case):
     """Guards: a run folder given for its records file answered "no such records file" (it is there), and
     --recompute records of another pair (or of a run without a budget) paired by item id with this run's,
     a cascade of two pairs reported as one."""
-    from kvt import cascade
+    from kvt.teach import cascade
     (runs / "records-x.jsonl").write_text("")
     _, args, words = case
     with pytest.raises(KvtError) as e:
@@ -349,7 +349,7 @@ def test_cascade_refuses_records_it_cannot_use(runs, case):
 
 
 def test_cascade_runs_on_the_same_runs_recompute(runs, capsys):
-    from kvt import cascade
+    from kvt.teach import cascade
     table = cascade.main([records(runs / "plain"), "--recompute", records(runs / "rc"), "--frac", "0.5"])
     assert table and "recompute" in table[0]["accuracy"]
 

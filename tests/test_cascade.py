@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from kvt import cascade
-from kvt.plan import forward_flops
+from kvt.teach import cascade
+from kvt.harness.plan import forward_flops
 from kvt.config import KvtError, shape
 
 

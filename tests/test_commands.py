@@ -13,7 +13,7 @@ run checks `git status`); ../shared beside it; HOME and the Hugging Face caches 
 Shared runs: a run is kept by its final argv and environment, so commands the smaller sizes make equal run
 once (README.md:70 and docs/real-weights.md:50 are the same command; the three tests.bench_models commands
 and the three SmolLM2 tests.bench_eval ones each become one). Besides, sharing by choice:
-- the kvt.bench commands (qwen3-0.6b:1.7b, and 1.7b:4b, which needs 16 GB) differ in scope, dtype, lengths,
+- the kvt.harness.bench commands (qwen3-0.6b:1.7b, and 1.7b:4b, which needs 16 GB) differ in scope, dtype, lengths,
   repeats, --both, --recompute, --json and OMP_NUM_THREADS; they share one run (BENCH: head scope, bf16,
   64 tokens, with --both and --recompute), since building the random models is most of the cost (6 GB,
   minutes on 2 cores) whatever the length; its JSON stands in where a later command reads another (figures
@@ -26,7 +26,7 @@ and the three SmolLM2 tests.bench_eval ones each become one). Besides, sharing b
 Time: 430 s wall, 386 + 27 s CPU, for `python -m pytest -m slow tests/test_commands.py -q --durations=40`
 on 2 shared cores of an Intel Xeon (AMX), load average 4 to 6 from other jobs: 54 commands run (27 runs),
 22 not run (two of the 54 failed at once then, on slips in RULES since fixed; their runs take seconds).
-The dearest: README.md:70 (the sibling's build and its run) 188 s, the shared kvt.bench run 60 s, the
+The dearest: README.md:70 (the sibling's build and its run) 188 s, the shared kvt.harness.bench run 60 s, the
 SmolLM2 tests.bench_eval run 52 s, the tests.bench_models run 35 s; the rest 12 s or less each.
 """
 import os
@@ -75,16 +75,16 @@ HEAL = {"--kind": "depth", "--out": "weights/smollm2-135m-depth15", "--tokens": 
         "--batch": "2", "--score-seqs": "2", "--score-len": "128", "--windows": "2", "--window-len": "128"}
 BENCH = {"--pair": "qwen3-0.6b:1.7b", "--scope": "head", "--lengths": "64", "--repeats": "1",
          "--dtype": "bfloat16", "--both": True, "--recompute": "0.1", "--lean": None, "--json": "runs/bench.json"}
-DEPTH15 = "python -m kvt.family build --parent weights/smollm2-135m --kind depth --out weights/smollm2-135m-depth15"
+DEPTH15 = "python -m kvt.teach.family build --parent weights/smollm2-135m --kind depth --out weights/smollm2-135m-depth15"
 RECOMPUTE = ("python run.py --pair toy-s:l --scope head --no-bench --out runs/rc_s_l_head_0",  # budget 0 and 10%
              "python run.py --pair toy-s:l --scope head --no-bench --recompute-frac 0.1 "
              "--out runs/rc_s_l_head_attention_0.10")
 SMOL_RUN = ("python run.py --source weights/smollm2-135m-depth15 --target weights/smollm2-135m "
             "--data-dir ../shared/data --calib ../shared/data/calib/wikitext-2 --no-bench")  # = README.md:70's run
-SOLVED = "python -m kvt.course make --assignment NAME --out /tmp/c/NAME --solution"
+SOLVED = "python -m kvt.teach.course make --assignment NAME --out /tmp/c/NAME --solution"
 EVAL_AGREE = r"^batch \d+ vs 1: largest loglikelihood difference \S+"
 WROTE_RUN = r"^wrote \S+report\.md and \S+results\.json$"
-ANY_BENCH = "python -m kvt.bench --pair qwen3-0.6b:1.7b --scope head"
+ANY_BENCH = "python -m kvt.harness.bench --pair qwen3-0.6b:1.7b --scope head"
 
 
 def bench_json(argv):
@@ -142,7 +142,7 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
          {"--out": "rope-solved"},
          edit=lambda argv: [a.replace("NAME", "rope") for a in argv])),
     (r"python -m kvt\.course grade hw1 --grader hw1-grader",  # a fresh student copy: below full marks, exit 1
-     Run(r"^ +\d+ / 12 +total$", status=1, needs=("python -m kvt.course make --assignment rope --out hw1",))),
+     Run(r"^ +\d+ / 12 +total$", status=1, needs=("python -m kvt.teach.course make --assignment rope --out hw1",))),
     (r'/usr/bin/time -f "%e s wall, %U \+ %S s CPU" python -m kvt\.course grade /tmp/c/NAME '
      r'--grader /tmp/c/NAME-grader',
      Run(r"^ +12 / 12 +total$(.*\n)*.* s wall, .* s CPU", needs=(SOLVED,),
@@ -171,7 +171,7 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"bash docs/lm-eval/smollm2-self\.sh (target|transfer)",
      NotRun("three harness tasks on SmolLM2 with a mapper calibrated on 16 x 256 tokens: minutes each on 2 cores "
             "and no size flag; tests/test_lm_eval.py::test_exact_pair_keeps_everything_through_the_command runs "
-            "python -m kvt.lm_eval end to end")),
+            "python -m kvt.integrations.lm_eval end to end")),
     (r"python -m kvt\.lm_eval retention runs/lmeval-smollm2-self/.*",
      NotRun("reads the folders of docs/lm-eval.md:90-91, not run here (above); tests/test_lm_eval.py::"
             "test_retention_pairs_by_doc_id runs retention")),

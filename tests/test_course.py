@@ -1,4 +1,4 @@
-"""The course kit (kvt/course.py): every assignment scores 0 with its stubs and full marks with the
+"""The course kit (kvt/teach/course.py): every assignment scores 0 with its stubs and full marks with the
 reference bodies, a typical student mistake, planted by editing the generated copy, costs exactly the
 points of its own function and says where it is, and the answer key stays in the grader folder. Each
 grade is a pytest subprocess (about 7 s of CPU): a few minutes on one busy core."""
@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import kvt
-from kvt import course, ridge, toy
+from kvt.teach import course
+from kvt import ridge
+from kvt.harness import toy
 from kvt.cli import entry
 from kvt.mapper import calibrate
 
@@ -53,7 +55,7 @@ def test_stubs_score_zero(name, tmp_path, capsys):
     assert status == 1 and score(printed) == (0, a.points), printed
     for f in a.functions:
         assert f"NotImplementedError: {f.name}: implement this (tutorial section {f.section})" in printed, printed
-    for path in ("kvt/course.py", "tutorial.md", "run.py", "requirements.txt", "weights/toy-s/model.safetensors",
+    for path in ("kvt/teach/course.py", "tutorial.md", "run.py", "requirements.txt", "weights/toy-s/model.safetensors",
                  "README.md"):
         assert (folder / path).exists(), f"{path} missing from the student copy"
     for path in ("expected.safetensors", f"test_{name}.py", "course.py", "assignment.json"):
@@ -141,7 +143,7 @@ def strip(y, pos, inv_freq, scale=1.0):  # planted: the scale not divided out
 
 
 def test_the_student_copy_cannot_grade_itself(solutions, tmp_path, capsys):
-    """Guards: a student copy whose own kvt/course.py decides the grade (an edited check that passes
+    """Guards: a student copy whose own kvt/teach/course.py decides the grade (an edited check that passes
     everything would then score full marks on stubs): the grader runs its own copy of the checks."""
     folder, grader = course.make("rope", tmp_path / "rope")
     mine = folder / "kvt" / "course.py"
@@ -183,7 +185,7 @@ def test_ridge_without_centering_costs_eigens_points(solutions, tmp_path, capsys
 def test_scoring_off_by_one_costs_its_points(solutions, tmp_path, capsys):
     """Guards: scoring each continuation token with the logits at its own position (which predict the
     next token) instead of the position before it, passing."""
-    folder = plant(solutions, tmp_path, "evals", "kvt/scoring.py",
+    folder = plant(solutions, tmp_path, "evals", "kvt/harness/scoring.py",
                    "logits, _ = model(cont[:, :-1], cache=cache.expand(n) if len(pairs) == 1 else cache.select(rows))\n"
                    "        pred = torch.cat([pred, logits], 1)",
                    "logits, _ = model(cont, cache=cache.expand(n) if len(pairs) == 1 else cache.select(rows))\n"

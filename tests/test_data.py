@@ -7,7 +7,7 @@ from conftest import SHARED
 
 import kvt
 from kvt.config import KvtError
-from kvt.data import calibration_sequences, check_same_tokenizer, read_documents, split_text
+from kvt.harness.data import calibration_sequences, check_same_tokenizer, read_documents, split_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,7 +166,7 @@ def test_token_ids_are_cached_by_text_and_tokenizer(tmp_path):
 def test_missing_calibration_folder_says_where_to_point(tiny_pair, tmp_path):
     """A real pair whose data folder lacks calib/: one line naming the folders it looked for and the two
     ways out (--data-dir / KVT_DATA, --calib), before any model is loaded, and no output folder left."""
-    from kvt.pipeline import main
+    from kvt.harness.pipeline import main
     if not (SHARED / "data" / "arc_easy").exists():
         pytest.skip("no shared arc_easy data")
     (tmp_path / "data").mkdir()
@@ -183,7 +183,7 @@ def test_heldout_windows_are_disjoint_evenly_spaced_slices_of_the_text():
     """heldout_windows: `count` windows, each a run of the text's own ids, none overlapping another, spread
     over the whole text; fewer when the text holds fewer. Guards: windows that overlap (a stride under
     their length) or that all come from the text's start."""
-    from kvt.data import heldout_windows
+    from kvt.harness.data import heldout_windows
     docs = ["".join(chr(33 + c) for c in torch.randint(0, 90, (2500,), generator=torch.Generator().manual_seed(d)).tolist())
             for d in range(2)]                                                # two documents, 50 windows' worth
     ids = Chars().encode(docs[0]) + Chars().encode(docs[1])
@@ -197,7 +197,7 @@ def test_heldout_text_that_is_calibration_text_is_refused(tmp_path):
     """--heldout inside a --calib folder (WikiText-2 test.txt under the default calib/wikitext-2) is one line,
     before any calibration: its windows would score text the mapper was fitted on."""
     import argparse
-    from kvt.pipeline import heldout_texts
+    from kvt.harness.pipeline import heldout_texts
     (tmp_path / "test.txt").write_text("text")
     args = argparse.Namespace(heldout=[str(tmp_path / "test.txt")], calib=[tmp_path])
     with pytest.raises(KvtError, match="is calibration text too"):

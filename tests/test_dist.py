@@ -12,11 +12,12 @@ from conftest import calib_of, tiny_config
 from torch.overrides import TorchFunctionMode
 
 import kvt
-from kvt import dist, fast
-from kvt.bench import random_mapper
+from kvt.harness import dist
+from kvt import fast
+from kvt.harness.bench import random_mapper
 from kvt.handoff import handoff
 from kvt.mapper import calibrate, load_mapper, save_mapper
-from kvt.model import layer_devices, place
+from kvt.loading import layer_devices, place
 from kvt.stats import FIELDS, accumulate, load_stats, new_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,7 +5,7 @@ in their ```bash blocks is accepted by kvt's own argument parsers, parsed withou
 
 What counts as a path: a whitespace-separated word inside `backticks` or a ```bash block whose first
 component is one of REPO_DIRS (`kvt/mapper.py`, `tests/test_x.py`, `docs/x.md`, `weights/toy-s`).
-Words that start elsewhere (`../shared/data`, `report.md`, `kvt.hf.transfer`) are not checked. A
+Words that start elsewhere (`../shared/data`, `report.md`, `kvt.integrations.hf.transfer`) are not checked. A
 `<placeholder>` ends the part that is checked (`weights/<name>/` checks `weights/`); a `*` is a glob that
 must match. What runs create (RUNTIME) is allowed without existing.
 """
@@ -184,7 +184,7 @@ def check_command(argv, monkeypatch):
         script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
         argv = ["python", *argv[script:]]
     if argv[:2] == ["python", "run.py"]:
-        return dry_parse("kvt.pipeline", argv[2:], monkeypatch)
+        return dry_parse("kvt.harness.pipeline", argv[2:], monkeypatch)
     if argv[0] == "kvt":
         if argv[1] not in KVT_COMMANDS:
             return f"kvt has no command {argv[1]!r}"

@@ -9,14 +9,14 @@ import torch
 from conftest import SHARED, SMOLLM2, calib_of, function_preserving_twin, tiny_config
 
 import kvt
-from kvt import answers as A
-from kvt import evals as E
-from kvt import scoring
-from kvt import summary as S
-from kvt import tasks as T
+from kvt.harness import answers as A
+from kvt.harness import evals as E
+from kvt.harness import scoring
+from kvt.harness import summary as S
+from kvt.harness import tasks as T
 from kvt.config import KvtError
 from kvt.mapper import calibrate
-from kvt.model import build_model
+from kvt.loading import build_model
 
 DATA = SHARED / "data"
 needs_data = pytest.mark.skipif(not DATA.exists(), reason=f"no shared data at {DATA}")
@@ -466,7 +466,7 @@ def test_context_gain_is_the_share_of_the_floors_nll_the_transfer_takes_off():
     """context_gain = (floor - transfer) / (floor - target) over the windows' mean NLLs, with a seeded
     bootstrap interval over windows that holds the point. Guards: the ratio inverted or taken per window
     and averaged, an unseeded interval."""
-    from kvt.summary import context_gain
+    from kvt.harness.summary import context_gain
     g = torch.Generator().manual_seed(0)
     target = 2 + torch.rand(12, generator=g, dtype=torch.float64)
     floor = target + 1 + torch.rand(12, generator=g, dtype=torch.float64)

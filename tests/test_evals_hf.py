@@ -25,10 +25,10 @@ import torch
 from conftest import SHARED, SMOLLM2 as CKPT
 
 import kvt
-from kvt import evals as E
-from kvt import tasks
-from kvt.scoring import mc_metrics
-from kvt.summary import summarize
+from kvt.harness import evals as E
+from kvt.harness import tasks
+from kvt.harness.scoring import mc_metrics
+from kvt.harness.summary import summarize
 
 DATA = SHARED / "data"
 N = int(os.environ.get("KVT_HF_ITEMS", "100"))

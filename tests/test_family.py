@@ -1,4 +1,4 @@
-"""kvt/family.py: pruning keeps what matters, healing distills, builds resume bit-exactly and load back."""
+"""kvt/teach/family.py: pruning keeps what matters, healing distills, builds resume bit-exactly and load back."""
 import json
 import shutil
 
@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 import kvt
-from kvt import family, toy
+from kvt.teach import family
+from kvt.harness import toy
 from kvt.config import KvtError
 from tests.conftest import ROOT, SHARED, tiny_config
 
@@ -196,7 +197,7 @@ def test_real_sibling_end_to_end(smollm2, tmp_path):
         expected = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
     err = (sibling(ids)[0] - expected).abs().max().item()
     assert err < 1e-3, f"max abs logit error vs transformers {err:.2e}"
-    from kvt import pipeline as run
+    from kvt.harness import pipeline as run
     results = run.main(["--source", str(out), "--target", str(smollm2), "--tasks", "arc_easy", "--limit", "24",
                         "--calib", str(SHARED / "data" / "calib" / "wikitext-2"), "--calib-seqs", "20",
                         "--calib-len", "256", "--no-bench", "--data-dir", str(SHARED / "data"),

@@ -12,7 +12,7 @@ import torch
 
 import kvt
 from kvt import fast, model, stats
-from kvt.bench import random_mapper
+from kvt.harness.bench import random_mapper
 from kvt.cache import Cache
 from kvt.handoff import take_over
 from kvt.stats import Sums

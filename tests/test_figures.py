@@ -1,7 +1,7 @@
 """figures.py and handoff.fit_gate: the evidence tables drawn from finished runs' results.json."""
 import pytest
 
-from kvt.figures import correlations, gate_evidence, recompute_rows
+from kvt.harness.figures import correlations, gate_evidence, recompute_rows
 from kvt.handoff import fit_gate
 
 
@@ -68,7 +68,7 @@ def test_retention_png_draws_intervals_that_round_past_their_value(tmp_path):
     (None) draws as a zero-length error bar. Guards: matplotlib's "'yerr' must not contain negative values"
     ending a finished run at its last step."""
     pytest.importorskip("matplotlib")
-    from kvt.figures import retention_png
+    from kvt.harness.figures import retention_png
     s = {"t": {"target": {"acc": 0.5, "acc_ci": [0.4, 0.6]}, "transfer": {"acc": 1.0, "acc_ci": [0.9, 0.9999999999]},
                "source": {"acc": 0.0, "acc_ci": [None, None]}}}
     assert retention_png(s, {"t": "acc"}, tmp_path / "r.png") and (tmp_path / "r.png").stat().st_size > 0

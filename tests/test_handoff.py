@@ -150,7 +150,7 @@ def test_exact_pair_keeps_all_the_context_gain(exact):
     target's or the transfer's logits scored one token off (predicting the token they were given), the
     transfer's first prediction (from the handoff) dropped."""
     from kvt.handoff import next_nll
-    from kvt.summary import context_gain
+    from kvt.harness.summary import context_gain
     source, target, mapper = exact
     ids, context = PROMPTS, 20
     nll = next_nll(source, target, mapper, ids, context)

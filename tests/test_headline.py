@@ -5,7 +5,7 @@ The measured peak is the process's resident memory (VmHWM after /proc/self/clear
 before, after a warm-up run that loads every library and a malloc_trim that returns its freed memory,
 with large blocks mapped on their own (mallopt) so that resident memory follows live tensors, as CUDA's
 max_memory_allocated does: RSS counts pages touched, so it sits at or below
-what was allocated, and the plan (kvt/plan.py) must bound it: measured <= plan * (1 + MARGIN) + SLACK.
+what was allocated, and the plan (kvt/harness/plan.py) must bound it: measured <= plan * (1 + MARGIN) + SLACK.
 The plan must also not be loose: measured >= plan * TIGHT. Each measurement runs in a fresh Python
 (`isolated`): resident memory is a figure of the whole process, and the tests run before it in the same
 process leave the heap in a state that moves it by tens of MiB."""
@@ -21,11 +21,11 @@ import torch
 from conftest import calib_of, tiny_config
 
 import kvt
-from kvt import pipeline
-from kvt.bench import bench, peak_memory_gb, random_mapper, reset_peak_memory
+from kvt.harness import pipeline
+from kvt.harness.bench import bench, peak_memory_gb, random_mapper, reset_peak_memory
 from kvt.config import KvtError, shape
 from kvt.mapper import calibrate
-from kvt.plan import disk_plan, plan
+from kvt.harness.plan import disk_plan, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MARGIN, SLACK, TIGHT = 0.05, 4 * 2**20, 0.4
@@ -125,7 +125,7 @@ def test_plan_bounds_a_ridge_fit():
 
 def ridge_fit_bound():
     from kvt import ridge
-    from kvt.plan import ridge_bytes
+    from kvt.harness.plan import ridge_bytes
     from kvt.stats import Stats, Sums
     g = torch.Generator().manual_seed(0)
     bx = by = 512
@@ -217,7 +217,7 @@ def test_the_headline_plan_meets_its_goals():
     8% to spare in every phase, writes at most 100 GB at once and is estimated under 2 hours; the 32K
     prefill estimate lands within 15% of the paper's 6.98 s. Guards: a plan that stopped counting a
     resident tensor it once did, or defaults that no longer meet the goals."""
-    from kvt.plan import headline_times, rehearsal
+    from kvt.harness.plan import headline_times, rehearsal
     src, tgt = shape("qwen3-14b"), shape("qwen3-32b")
     text, got = rehearsal(src, tgt, ("qwen3-14b", "qwen3-32b"), context=32768)
     assert got["spare"] >= 0.08 and got["disk"] <= 100e9 and got["seconds"] < 2 * 3600, got

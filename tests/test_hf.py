@@ -1,7 +1,7 @@
-"""kvt.hf against kvt itself: a handoff between transformers models gives what kvt's handoff gives.
+"""kvt.integrations.hf against kvt itself: a handoff between transformers models gives what kvt's handoff gives.
 
 The oracle is kvt's own handoff (handoff.py) + kvt.generate on kvt models loaded from the same
-checkpoint folders; the transformers side is the user's: kvt.hf.transfer, then target.generate.
+checkpoint folders; the transformers side is the user's: kvt.integrations.hf.transfer, then target.generate.
 """
 from types import SimpleNamespace
 
@@ -9,16 +9,16 @@ import pytest
 import torch
 
 import kvt
-from kvt import toy
+from kvt.harness import toy
 from kvt.cache import Cache
 from kvt.config import KvtError
-from kvt.data import calibration_sequences
+from kvt.harness.data import calibration_sequences
 from kvt.handoff import handoff
 from kvt.mapper import calibrate
 from tests.conftest import ROOT, calib_of, tiny_config
 
 transformers = pytest.importorskip("transformers")
-from kvt import hf  # noqa: E402  (imports transformers)
+from kvt import hf  # noqa: E402  (imports transformers
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -65,7 +65,7 @@ def tiny(tmp_path_factory, one_thread):
 
 
 def hf_generate(p, ids, n, mask=None):
-    """transformers' greedy continuation after kvt.hf.transfer: (first-step logits (B, V), new tokens (B, n'))."""
+    """transformers' greedy continuation after kvt.integrations.hf.transfer: (first-step logits (B, V), new tokens (B, n'))."""
     T = ids.shape[1]
     state = hf.transfer(p.hs, p.ht, p.mapper, ids, mask)
     assert state[hf.CACHE].get_seq_length() == T - 1, "transfer hands over T - 1 slots; the target runs the last token"
@@ -165,7 +165,7 @@ def test_right_padding_refused(tiny):
     (torch.zeros(1, 8, dtype=torch.long), None, ["mapper must be a kvt Mapper", "NoneType"]),
 ], ids=["1-D ids", "float ids", "zero tokens", "id beyond the vocabulary", "mapper None"])
 def test_bad_transfer_input_is_one_line(tiny, ids, mapper, words):
-    """Guards: kvt.hf.transfer ending in a traceback deep in transformers or the mapper for 1-D or float
+    """Guards: kvt.integrations.hf.transfer ending in a traceback deep in transformers or the mapper for 1-D or float
     ids, zero tokens, a token id of 10**6, or mapper None."""
     p = tiny["qwen3"]
     with pytest.raises(KvtError) as e:

@@ -6,7 +6,7 @@ import torch
 
 import kvt
 from kvt.config import KvtError, checkpoint_name, find_weights
-from kvt.pipeline import parse_args, resolve
+from kvt.harness.pipeline import parse_args, resolve
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""kvt.lm_eval: kvt's conditions as an lm-evaluation-harness model, against two oracles.
+"""kvt.integrations.lm_eval: kvt's conditions as an lm-evaluation-harness model, against two oracles.
 
 Under `target` the oracle is the harness's own `hf` model on the same checkpoint; under `transfer` it is
-kvt's own evaluation (kvt.evals.evaluate) of the same items. The tasks are harness tasks defined here
+kvt's own evaluation (kvt.harness.evals.evaluate) of the same items. The tasks are harness tasks defined here
 from local jsonl files (kvt implements none of them), run offline: the toy family by default, SmolLM2 and
 a second transformers version behind the slow marker.
 """
@@ -25,12 +25,12 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import kvt  # noqa: E402
-from kvt import evals as E  # noqa: E402
-from kvt import tasks as T  # noqa: E402
+from kvt.harness import evals as E  # noqa: E402
+from kvt.harness import tasks as T  # noqa: E402
 from kvt import toy  # noqa: E402
 from kvt.config import KvtError  # noqa: E402
-from kvt.data import calibration_sequences  # noqa: E402
-from kvt.lm_eval import KvtLM, cli, main, retention  # noqa: E402
+from kvt.harness.data import calibration_sequences  # noqa: E402
+from kvt.integrations.lm_eval import KvtLM, cli, main, retention  # noqa: E402
 from kvt.mapper import calibrate, save_mapper  # noqa: E402
 
 TOY = ROOT / "weights"
@@ -134,7 +134,7 @@ def test_target_equals_the_harness_hf_model(harness_tasks, one_thread):
 
 def test_transfer_equals_kvt_records_and_batch_sizes_agree(harness_tasks, toy_pair):
     """Under `transfer` (toy-s -> toy-m, a saved mapper), every choice's loglikelihood equals kvt's own
-    evaluation record of the same item (kvt.evals.evaluate, its transfer condition) and every generation
+    evaluation record of the same item (kvt.harness.evals.evaluate, its transfer condition) and every generation
     its output; batch sizes 1 and 3 give the same numbers; transfer is not the target's own prefill, and
     is again once every slot is recomputed (recompute_frac=1). Guards a model that ignores the mapper, the
     source or the recompute budget, and scores that depend on the batch."""
@@ -165,7 +165,7 @@ def test_transfer_equals_kvt_records_and_batch_sizes_agree(harness_tasks, toy_pa
 
 def test_exact_pair_keeps_everything_through_the_command(harness_tasks, tiny_pair, tmp_path, capsys):
     """The command end to end on an exact pair (a model and its function-preserving twin): `python -m
-    kvt.lm_eval` writes the harness's results and samples under transfer, the harness's tracker the same
+    kvt.integrations.lm_eval` writes the harness's results and samples under transfer, the harness's tracker the same
     under target, and `retention` pairs them by doc id: retention 100%, the same accuracy. Guards pairing
     by position instead of doc id, and a folder read under the wrong condition."""
     folder, tm, _ = harness_tasks
@@ -290,7 +290,7 @@ def pytest_in(py, *args):
 
 @pytest.mark.slow
 def test_hf_interop_on_the_lowest_declared_transformers(tmp_path):
-    """kvt.hf's tests on transformers 5.0.0, the lowest version kvt[hf] declares (the default run tests the
+    """kvt.integrations.hf's tests on transformers 5.0.0, the lowest version kvt[hf] declares (the default run tests the
     installed one): guards reading the output's cache under one name only (5.0 calls it past_key_values,
     5.24 cache) and handing generate() position_ids (5.0 reuses them unchanged at every step). Needs PyPI;
     about 5 minutes on 2 shared cores."""

@@ -112,7 +112,7 @@ def test_generate_greedy_matches_argmax_loop():
     assert out == seq[0, 5:].tolist()
     stopped = kvt.generate(model, logits[:, -1], cache, 6, stop_ids={out[2]})[0]
     assert stopped == out[:out.index(out[2])]
-    lps = [[]]                                      # the confidence kvt/cascade.py reads
+    lps = [[]]                                      # the confidence kvt/teach/cascade.py reads
     kvt.generate(model, logits[:, -1], cache, 6, logprobs=lps)
     want = model(seq)[0][0, 4:-1].log_softmax(-1).gather(-1, seq[0, 5:, None])[:, 0]  # each token given those before
     assert torch.allclose(torch.tensor(lps[0]), want, atol=1e-5), (lps[0], want)
@@ -164,7 +164,7 @@ def test_overlong_context_refused():
 def test_missing_folder_names_download_command(tmp_path):
     with pytest.raises(KvtError, match="hf download Qwen/Qwen3-14B"):
         kvt.load_model(tmp_path / "qwen3-14b")
-    with pytest.raises(KvtError, match="python -m kvt.toy train --out .* --members toy-l"):
+    with pytest.raises(KvtError, match="python -m kvt.harness.toy train --out .* --members toy-l"):
         kvt.load_model(tmp_path / "toy-l")  # the toy family is trained, not downloaded
 
 

@@ -1,5 +1,5 @@
 """plan.py: the memory plan equals the closed-form counts (docs/scale.md), the models' real
-parameter counts and model.place's split, and a plan that does not fit says what would."""
+parameter counts and loading.place's split, and a plan that does not fit says what would."""
 import pytest
 import torch
 from conftest import calib_of, function_preserving_twin, tiny_config
@@ -7,8 +7,9 @@ from conftest import calib_of, function_preserving_twin, tiny_config
 import kvt
 from kvt.config import KvtError, shape
 from kvt.mapper import calibrate
-from kvt.model import Transformer, place
-from kvt.plan import (GPUS, USABLE, calibration_passes, capacity, check_plan, fits, memory_plan, plan, split_to_fit,
+from kvt.model import Transformer
+from kvt.loading import place
+from kvt.harness.plan import (GPUS, USABLE, calibration_passes, capacity, check_plan, fits, memory_plan, plan, split_to_fit,
                       weight_bytes)
 from kvt.stats import new_stats
 
@@ -115,7 +116,7 @@ def test_weights_count_the_real_parameters(name):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_weights_follow_model_place(tied):
-    """Per device, the plan's weights equal what model.place puts there (a tied head gets a copy)."""
+    """Per device, the plan's weights equal what loading.place puts there (a tied head gets a copy)."""
     cfg = tiny_config("qwen3", n_layers=5, tie_embeddings=tied)
     model = place(kvt.build_model(cfg), ["cpu", "meta"])
     have = {}

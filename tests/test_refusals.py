@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvt
-from kvt import pipeline as run
+from kvt.harness import pipeline as run
 from kvt.config import KvtError
 from tests.conftest import ROOT, SHARED, tiny_config
 
@@ -79,7 +79,7 @@ def drop_layer(folder):  # weights of 2 layers under a config of 3
 
 
 def other_tokenizer(folder):
-    from kvt import toy
+    from kvt.harness import toy
     toy.train_tokenizer(toy.corpus(50, seed=7)).save(str(folder / "tokenizer.json"))
 
 
@@ -410,7 +410,7 @@ def calib_text(world):
     """A calibration text for runs of real tasks on the tiny pair (which otherwise read DATA/calib)."""
     path = world["root"] / "calib.jsonl"
     if not path.exists():
-        from kvt import toy
+        from kvt.harness import toy
         path.write_text("".join(json.dumps({"text": t}) + "\n" for t in toy.corpus(200, seed=99)))
     return str(path)
 
@@ -438,7 +438,7 @@ def test_a_rerun_on_changed_data_scores_the_changed_items_again(world):
 
 
 TWO_CHOICES = '''
-from kvt.tasks import Item, Task
+from kvt.harness.tasks import Item, Task
 GOLD = {gold}
 task = Task("mine", load=lambda: [Item(str(i), f"Question {{i}}: which?", GOLD, ["yes", "no"], "Answer:")
                                   for i in range(5)])
@@ -448,7 +448,7 @@ task = Task("mine", load=lambda: [Item(str(i), f"Question {{i}}: which?", GOLD, 
 @pytest.fixture
 def registry(monkeypatch):
     """A copy of the task registry for one test: the tasks its task files register are gone after it."""
-    from kvt import tasks
+    from kvt.harness import tasks
     monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))
     return tasks.TASKS
 
@@ -494,7 +494,7 @@ def test_records_of_an_older_kvt_are_refused(world):
     assert snapshot(folder) == before
 
 
-HEAD = "import sys\nfrom kvt.tasks import Item, Task, register\n"
+HEAD = "import sys\nfrom kvt.harness.tasks import Item, Task, register\n"
 MC = "Item(str(i), 'Question: which?', 0, ['yes', 'no'], 'Answer:')"
 GEN = "lambda: [Item('1', 'Q: which?\\nA:', 'yes', floor='A:', until=('\\n',))], 'generate_until', max_new_tokens=2"
 # (id, the task file's text after HEAD, words the message must hold): each a traceback or a silent run before
@@ -635,7 +635,7 @@ def test_plan_bench_and_cascade_arguments_are_one_line(world, module, args, word
 def test_cascade_refuses_a_cut_or_corrupt_records_file(world):
     """Guards: kvt cascade reading a records file cut short (447 of 800 items) or with a corrupt middle
     line without a word, over the items that happened to be there."""
-    from kvt import cascade
+    from kvt.teach import cascade
     folder = run_folder_copy(world, "cascade_cut")
     records = the(folder, "records-*")
     lines = records.read_text().splitlines()
@@ -667,7 +667,7 @@ def test_cascade_refuses_a_cut_or_corrupt_records_file(world):
 def test_figures_arguments_and_files_are_one_line(world, args, words):
     """Guards: kvt figures gate with no files ending in exit 0 and a table of nan; tracebacks for a
     missing file, a results.json given to scaling, a records .jsonl given to gate, and r2 --k 0."""
-    from kvt import figures
+    from kvt.harness import figures
     done = world["done"]
     args = [str(the(done, "records-*")) if a == "RECORDS" else a.replace("DONE", str(done)) for a in args]
     with pytest.raises(KvtError) as e:
@@ -679,7 +679,8 @@ def test_figures_arguments_and_files_are_one_line(world, args, words):
 def test_figures_r2_finds_the_toy_family_where_kvt_finds_it(monkeypatch, tmp_path):
     """Guards: kvt figures r2 after `pip install .` looking for the toy weights in site-packages/weights
     (they install in <prefix>/share/kvt/weights, which kvt.config.find_weights looks in)."""
-    from kvt import config, figures
+    from kvt import config
+    from kvt.harness import figures
     seen = []
     monkeypatch.setattr(config, "find_weights", lambda name, weights=None: seen.append(name) or tmp_path / name)
     with pytest.raises(KvtError, match="no checkpoint folder"):
@@ -690,7 +691,8 @@ def test_figures_r2_finds_the_toy_family_where_kvt_finds_it(monkeypatch, tmp_pat
 def test_toy_and_family_arguments_are_one_line(tmp_path):
     """Guards: kvt toy train --max-steps 0 ending in UnboundLocalError, and kvt family build --seq-len 0 in a
     ZeroDivisionError after a minute of work."""
-    from kvt import family, toy
+    from kvt.teach import family
+    from kvt.harness import toy
     with pytest.raises(KvtError, match=r"--max-steps 0: must be at least 1"):
         toy.main(["train", "--max-steps", "0", "--out", str(tmp_path)])
     fam = ["build", "--parent", str(ROOT / "weights" / "toy-m"), "--kind", "depth", "--out", str(tmp_path / "sib")]
@@ -704,7 +706,7 @@ def test_toy_and_family_arguments_are_one_line(tmp_path):
 def test_a_failed_family_build_removes_the_out_it_created(tmp_path):
     """Guards: a kvt family build refused after it made --out (a --keep beyond the parent's layers)
     leaving an empty folder behind."""
-    from kvt import family
+    from kvt.teach import family
     shared = SHARED / "data" / "calib"
     if not (shared / "wikitext-2" / "valid.txt").exists():
         pytest.skip("no ../shared/data/calib")
@@ -727,7 +729,7 @@ def kvt_cli(capsys, *args):
 
 def test_the_kvt_command_says_how_to_use_it(capsys):
     """Guards: `kvt --help` and a bare `kvt` printing the command list to stderr with no usage line and
-    no hint about `kvt <command> --help`; subcommands calling themselves `kvt` or `python -m kvt.toy`;
+    no hint about `kvt <command> --help`; subcommands calling themselves `kvt` or `python -m kvt.harness.toy`;
     cascade, figures, family and toy exiting 1 on user errors where the rest exit 2."""
     code, out, err = kvt_cli(capsys, "--help")
     assert code == 0 and out.startswith("usage: kvt <command>") and "kvt <command> --help" in out and not err
@@ -749,7 +751,7 @@ def test_plan_and_bench_options_have_help(monkeypatch):
     """Guards: most plan and bench options without a word of help."""
     import argparse
 
-    from kvt import bench, plan
+    from kvt.harness import bench, plan
     given, add = [], argparse.ArgumentParser.add_argument
     monkeypatch.setattr(argparse.ArgumentParser, "add_argument",
                         lambda self, *a, **kw: given.append((a[0], kw.get("help"))) or add(self, *a, **kw))
@@ -769,7 +771,7 @@ def test_every_file_of_a_run_is_readable_by_all(world):
 
 def test_the_report_says_why_it_has_no_figure(world, monkeypatch):
     """Guards: report.md naming no retention figure, without a word, when matplotlib is not installed."""
-    from kvt import figures
+    from kvt.harness import figures
     monkeypatch.setattr(figures, "pyplot", lambda say=False: None)
     folder = run_folder_copy(world, "no_matplotlib")
     (folder / "retention.png").unlink(missing_ok=True)
@@ -780,8 +782,8 @@ def test_the_report_says_why_it_has_no_figure(world, monkeypatch):
 
 
 def test_python_dash_m_ends_errors_as_kvt_does():
-    """Guards: `python -m kvt.cascade` (as README and the tutorial run it) ending a KvtError in a traceback,
+    """Guards: `python -m kvt.teach.cascade` (as README and the tutorial run it) ending a KvtError in a traceback,
     or exiting 1 where `kvt cascade` exits 2."""
-    p = subprocess.run([sys.executable, "-m", "kvt.cascade", "nope.jsonl"], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "kvt.teach.cascade", "nope.jsonl"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and p.stderr.strip() == ("kvt: nope.jsonl: no such records file; give the records-*.jsonl "
                                                       "of a finished kvt run"), p.stderr

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvt
-from kvt import bench as B
-from kvt import pipeline as run
+from kvt.harness import bench as B
+from kvt.harness import pipeline as run
 from kvt.config import KvtError
-from kvt.bench import random_mapper
+from kvt.harness.bench import random_mapper
 from tests.conftest import ROOT
 from tests.test_bench import LARGE, SMALL
 
@@ -97,7 +97,7 @@ def test_a_tokenizer_config_that_is_not_an_object_is_refused(tmp_path):
 
 @pytest.mark.parametrize("option", ["--weights", "--data-dir"])
 def test_a_file_given_for_a_folder_option_is_refused(tmp_path, option):
-    """Bug: --weights FILE said "no checkpoint folder FILE/toy-s; get it with: python -m kvt.toy train --out FILE"
+    """Bug: --weights FILE said "no checkpoint folder FILE/toy-s; get it with: python -m kvt.harness.toy train --out FILE"
     (a command that cannot work), --data-dir FILE "missing FILE/arc_easy/test.jsonl: write it with ..."."""
     (tmp_path / "afile").write_text("x")
     with pytest.raises(KvtError, match=f"{option} {tmp_path / 'afile'} is a file; give the folder that holds"):

@@ -8,7 +8,7 @@ import torch
 
 import kvt
 from tests.conftest import ROOT
-from kvt import pipeline as run
+from kvt.harness import pipeline as run
 
 ARGS = ["--tasks", "toy_recall,toy_count", "--limit", "12", "--calib-seqs", "20", "--calib-len", "48", "--k", "2",
         "--lam", "1e-6", "--no-bench"]
@@ -85,7 +85,7 @@ def test_mapper_is_placed_where_the_target_keeps_each_layer(pair, tmp_path, monk
     monkeypatch.setattr(run.evals, "transfer", lambda s, t, m, *a: seen.append((m, t)) or real(s, t, m, *a))
     run.main(["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path)] + ARGS)
     mapper, target = seen[0]
-    assert mapper.placed and mapper.devices() == kvt.model.layer_devices(target)
+    assert mapper.placed and mapper.devices() == kvt.loading.layer_devices(target)
 
 
 def test_records_of_another_run_are_not_read_as_this_ones(tmp_path):

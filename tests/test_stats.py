@@ -9,11 +9,11 @@ import kvt
 from kvt import stats
 from kvt.capture import capture, features
 from kvt.config import KvtError, shape
-from kvt.data import Calibration
+from kvt.harness.data import Calibration
 from kvt.mapper import calibrate
 from kvt import fast
 from kvt.fast import Pending
-from kvt.plan import memory_plan
+from kvt.harness.plan import memory_plan
 from kvt.stats import FIELDS, Sums, accumulate, load_stats, new_stats, save_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,13 +10,13 @@ import torch
 from conftest import SHARED, tiny_config
 
 import kvt
-from kvt import pipeline as run
-from kvt import evals as E
-from kvt import scoring, toy
-from kvt import summary as S
-from kvt import tasks as T
+from kvt.harness import pipeline as run
+from kvt.harness import evals as E
+from kvt.harness import scoring, toy
+from kvt.harness import summary as S
+from kvt.harness import tasks as T
 from kvt.config import KvtError
-from kvt.tasks import Conversation, Item, Source, Task
+from kvt.harness.tasks import Conversation, Item, Source, Task
 
 # ---- the tasks of test_every_kind_runs_through_run_main: this file is its --task-file -----------------------
 # (module-level Task objects, which load_task_file registers; nothing is registered when pytest imports it)
@@ -148,7 +148,7 @@ def test_task_file_errors_are_one_line(tiny_pair, tmp_path, registry):
             "--tasks", "toy_recall", "--no-bench"]
     with pytest.raises(KvtError, match="no such file"):
         run.main(argv + ["--task-file", str(tmp_path / "nope.py")])
-    (tmp_path / "clash.py").write_text("from kvt.tasks import Task\nARC = Task('arc_easy', lambda: [])\n")
+    (tmp_path / "clash.py").write_text("from kvt.harness.tasks import Task\nARC = Task('arc_easy', lambda: [])\n")
     with pytest.raises(KvtError, match="'arc_easy' is built in"):
         run.main(argv + ["--task-file", str(tmp_path / "clash.py")])
     assert not (tmp_path / "o").exists()
@@ -161,10 +161,10 @@ def test_task_file_registers_or_defines(tmp_path, registry):
     process) it replaces its own tasks. Guards: defined tasks never registered; a second import refused
     as a clash with itself; a file of no tasks passing silently; a file imported without a sys.modules
     entry (its dataclasses fail under `from __future__ import annotations`)."""
-    (tmp_path / "a.py").write_text("from kvt.tasks import Item, Task, register\n"
+    (tmp_path / "a.py").write_text("from kvt.harness.tasks import Item, Task, register\n"
                                    "register(Task('reg_a', lambda: [Item('1', 'x', 0, ['y', 'z'])]))\n")
     (tmp_path / "b.py").write_text("from __future__ import annotations\nfrom dataclasses import dataclass\n"
-                                   "from kvt.tasks import Item, Task\n"  # its dataclass needs it in sys.modules
+                                   "from kvt.harness.tasks import Item, Task\n"  # its dataclass needs it in sys.modules
                                    "@dataclass\nclass Note:\n    text: str\n"
                                    "B = Task('def_b', lambda n=2: [Item(str(i), 'x', 0, ['y']) for i in range(n)])\n")
     assert T.load_task_file(tmp_path / "a.py") == ["reg_a"] and T.load_task_file(tmp_path / "b.py") == ["def_b"]
@@ -182,7 +182,7 @@ def test_task_file_registers_or_defines(tmp_path, registry):
     (dict(kind="loglikelihood"), "unknown kind 'loglikelihood'"),
     (dict(primary="f1"), "primary metric 'f1' is not one of its metrics"),
     (dict(metrics=("acc", "f1")), "reports some of"),
-    (dict(sources=("mine/test.jsonl",)), "sources kvt.tasks.Source"),
+    (dict(sources=("mine/test.jsonl",)), "sources kvt.harness.tasks.Source"),
 ])
 def test_registry_refuses_bad_tasks(kw, words, registry):
     """Each a KvtError naming the problem: a built-in shadowed (arc_easy would change under every later
@@ -328,7 +328,7 @@ def test_lm_eval_results_layout():
 
 def test_toy_trainer_scores_as_the_evals(tiny_pair, monkeypatch):
     """toy.choice_accuracy (the trainer's held-out recall and toy_train.json) and the evals' toy_recall
-    call the one scorer, kvt.scoring.score_choice_batch (score_choices is its batch of one), with the same
+    call the one scorer, kvt.harness.scoring.score_choice_batch (score_choices is its batch of one), with the same
     contexts, choices and golds, so they give the same accuracy, with the context (target) and without it
     (floor). Guards: a second scorer in toy.py or evals.py, and the two floors that differed (the text after
     the last " . " against after the last ".")."""

@@ -1,4 +1,4 @@
-"""The toy family (kvt/toy.py): its corpus and tasks are deterministic, its committed checkpoints load
+"""The toy family (kvt/harness/toy.py): its corpus and tasks are deterministic, its committed checkpoints load
 in kvt and in transformers with the same logits, and the trained members use the context to recall."""
 from pathlib import Path
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import kvt
-from kvt import toy
+from kvt.harness import toy
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
-MEMBERS = list(toy.FAMILY)  # all committed: `python -m kvt.toy train --out weights` remakes them
+MEMBERS = list(toy.FAMILY)  # all committed: `python -m kvt.harness.toy train --out weights` remakes them
 
 
 def test_corpus_and_tasks_are_seeded():
@@ -94,7 +94,7 @@ def test_grow_starts_as_the_parent():
 
 
 def test_training_is_deterministic():
-    """Two short runs from the same seed give the same weights (what `python -m kvt.toy train` relies on)."""
+    """Two short runs from the same seed give the same weights (what `python -m kvt.harness.toy train` relies on)."""
     texts = toy.corpus(200, seed=0)
     tok = toy.train_tokenizer(texts)
     ids, starts = toy.token_stream(tok, texts)

@@ -3,11 +3,11 @@ on recall, needs the context for it, and the transfer keeps at least 90% of its 
 import torch
 
 import kvt
-from kvt import evals, toy
-from kvt.data import calibration_sequences
+from kvt.harness import evals, toy
+from kvt.harness.data import calibration_sequences
 from kvt.mapper import calibrate
-from kvt.summary import summarize
-from kvt.tasks import load_task
+from kvt.harness.summary import summarize
+from kvt.harness.tasks import load_task
 from tests.conftest import ROOT
 
 

@@ -77,7 +77,7 @@ def toy_family():
     """The tutorial runs on the committed toy family; say how to build it when it is missing."""
     missing = [m for m in ("toy-s", "toy-m", "toy-l") if not (ROOT / "weights" / m / "model.safetensors").exists()]
     if missing:
-        pytest.skip(f"no weights/{missing[0]}: build the toy family with `python -m kvt.toy train --out weights`")
+        pytest.skip(f"no weights/{missing[0]}: build the toy family with `python -m kvt.harness.toy train --out weights`")
 
 
 def test_tutorial_runs_and_prints_what_it_says(monkeypatch, toy_family):
@@ -99,7 +99,7 @@ def test_tutorial_runs_and_prints_what_it_says(monkeypatch, toy_family):
 
 
 def test_figures_command_draws_the_map(capsys):  # on the committed pair toy-s -> toy-m
-    from kvt import figures
+    from kvt.harness import figures
     figures.main(["r2", "--pair", "toy-s:m", "--calib-seqs", "6", "--calib-len", "64", "--k", "1", "--kind", "k"])
     out = capsys.readouterr().out
     assert "keys (K)" in out and "<- target layer" in out and "*" in out, out
@@ -108,7 +108,7 @@ def test_figures_command_draws_the_map(capsys):  # on the committed pair toy-s -
 def test_heatmap_marks_the_selected_cells():
     import torch
 
-    from kvt.figures import heatmap
+    from kvt.harness.figures import heatmap
     r2 = torch.tensor([[0.9, 0.3, -0.5], [0.5, 0.7, 0.3]])                  # (Ls=2, Lt=3)
     text = heatmap(r2, selected=torch.tensor([[0], [1], [1]]))
     rows = text.splitlines()[1:3]

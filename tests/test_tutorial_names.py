@@ -4,21 +4,23 @@ tests/test_tutorial.py; this checks the names around them, which nothing runs.)"
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KVT = ROOT / "kvt"
-MODULES = {f.stem for f in KVT.glob("*.py")} - {"__init__"}
+MODULES = {f.stem: ".".join(f.relative_to(ROOT).with_suffix("").parts)   # stem -> module: "bench" -> "kvt.harness.bench"
+           for f in KVT.rglob("*.py") if f.stem != "__init__"}
 
 
 def classes():
     """Class name -> module, for every class a kvt file defines at its top level."""
     out = {}
     for m in MODULES:
-        for node in ast.parse((KVT / f"{m}.py").read_text()).body:
+        for node in ast.parse((ROOT / (MODULES[m].replace(".", "/") + ".py")).read_text()).body:
             if isinstance(node, ast.ClassDef):
-                out[node.name] = m
+                out[node.name] = MODULES[m]
     return out
 
 
@@ -32,13 +34,13 @@ def resolves(dotted, where):
     head, *rest = dotted.split(".")
     if head == "kvt":
         obj = importlib.import_module("kvt")
-        if rest and not hasattr(obj, rest[0]) and rest[0] in MODULES:
-            obj = importlib.import_module(f"kvt.{rest[0]}")
+        while rest and not hasattr(obj, rest[0]) and importlib.util.find_spec(f"{obj.__name__}.{rest[0]}"):
+            obj = importlib.import_module(f"{obj.__name__}.{rest[0]}")   # kvt.harness.bench: a folder, then a file
             rest = rest[1:]
     elif head in MODULES:
-        obj = importlib.import_module(f"kvt.{head}")
+        obj = importlib.import_module(MODULES[head])
     elif head in where:
-        obj = getattr(importlib.import_module(f"kvt.{where[head]}"), head)
+        obj = getattr(importlib.import_module(where[head]), head)
     else:
         return None                                          # not a kvt name (torch.cat, a variable of a block)
     for name in rest:

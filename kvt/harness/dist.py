@@ -39,7 +39,7 @@ def init(devices=("cpu",)):
 
     Ranks on one node split a list of CUDA devices evenly: `cuda:0..7` with 4 ranks per node gives
     rank r `cuda:2r, cuda:2r+1` (each rank can then split its models across its share with
-    model.place). A bare "cuda" means cuda:LOCAL_RANK. CPU ranks all share the host's memory."""
+    loading.place). A bare "cuda" means cuda:LOCAL_RANK. CPU ranks all share the host's memory."""
     devices = [str(d) for d in devices]
     w, local_w, local_r = (int(os.environ.get(k, d)) for k, d in
                            (("WORLD_SIZE", 1), ("LOCAL_WORLD_SIZE", 1), ("LOCAL_RANK", 0)))

@@ -1,9 +1,9 @@
 """A course kit: assignments cut out of kvt's own code, and an autograder for them (docs/course.md).
 
-    python -m kvt.course list                                  # the assignments, their functions and points
-    python -m kvt.course make --assignment rope --out DIR      # a student copy, and DIR-grader, the answer key
-    python -m kvt.course grade DIR --grader DIR-grader         # a score per function; exit 1 below full marks
-    python -m kvt.course answers                               # the exercises' checkable answers (instructors)
+    python -m kvt.teach.course list                                  # the assignments, their functions and points
+    python -m kvt.teach.course make --assignment rope --out DIR      # a student copy, and DIR-grader, the answer key
+    python -m kvt.teach.course grade DIR --grader DIR-grader         # a score per function; exit 1 below full marks
+    python -m kvt.teach.course answers                               # the exercises' checkable answers (instructors)
 
 `make` writes two folders. The student copy: kvt (the package, tutorial.md, run.py, requirements.txt,
 and the toy checkpoints the tutorial's blocks read), in which the body of each graded function is one
@@ -44,10 +44,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvt
-from kvt import bench, handoff, mapper, ridge, rope, scoring, stats, summary, toy
+from kvt.harness import bench, scoring, summary, toy
+from kvt import handoff, mapper, ridge, rope, stats
 from kvt.capture import layer_features
 from kvt.config import Config, KvtError
-from kvt.data import calibration_sequences
+from kvt.harness.data import calibration_sequences
 
 KVT = Path(__file__).resolve().parent   # the package, copied into every assignment
 ROOT = KVT.parent                       # the working copy: tutorial.md, run.py, weights/toy-*
@@ -644,7 +645,7 @@ def stub(source, functions, routed=None):
 
 
 TEST = '''"""The grader of assignment {name!r}: one test per graded function, against the reference's numbers
-(expected.safetensors). `python -m kvt.course grade STUDENT --grader THIS_FOLDER` runs it, with the
+(expected.safetensors). `python -m kvt.teach.course grade STUDENT --grader THIS_FOLDER` runs it, with the
 student copy first on the path and KVT_STUDENT naming it."""
 import importlib.util
 import os
@@ -690,7 +691,7 @@ Grade your work from this folder with the grader folder your instructor keeps (o
 `-grader` folder that `make` wrote beside this one: it holds the reference code, so reading it is reading
 the answers):
 
-    python -m kvt.course grade . --grader GRADER_FOLDER
+    python -m kvt.teach.course grade . --grader GRADER_FOLDER
 
 It prints one line per function (exit status 0 at full marks only). Each function is graded on its own:
 while one is tested, the other functions of this table are the reference ones, so a mistake costs only its
@@ -792,7 +793,7 @@ def grade(folder, grader, timeout=600):
     timeout: seconds the grader may run (a student's endless loop then fails every function, saying why)."""
     folder, grader = Path(folder), Path(grader)
     if not folder.is_dir():
-        raise KvtError(f"{folder}: no such folder (make one: python -m kvt.course make --assignment NAME --out DIR)")
+        raise KvtError(f"{folder}: no such folder (make one: python -m kvt.teach.course make --assignment NAME --out DIR)")
     if not (folder / "kvt" / "__init__.py").exists():
         raise KvtError(f"{folder} is not a kvt student copy (no kvt/ in it); give the folder `make` wrote with --out")
     info = grader / "assignment.json"
@@ -854,7 +855,7 @@ def grade(folder, grader, timeout=600):
     return earned, a.points
 
 
-# ---- the exercises' answers, for instructors: python -m kvt.course answers ---------------------------------
+# ---- the exercises' answers, for instructors: python -m kvt.teach.course answers ---------------------------------
 # Each runs on the shipped toy family in seconds on one thread, and returns (lines to print, checks: [(what
 # must hold, whether it does)]). In the student copy make cuts their bodies (ANSWER_CODE), as it stubs.
 
@@ -1012,7 +1013,7 @@ def main(argv=None):
     elif args.command == "make":
         out, grader = make(args.assignment, args.out, args.grader, args.solution)
         print(f"wrote {out} (the student copy: {out / 'README.md'} says what to do) and {grader} (the grader, "
-              f"for the instructor); grade with: python -m kvt.course grade {out} --grader {grader}")
+              f"for the instructor); grade with: python -m kvt.teach.course grade {out} --grader {grader}")
     elif args.command == "grade":
         earned, total = grade(args.folder, args.grader)
         if earned < total:

@@ -26,7 +26,7 @@ Each is warmed up, synchronized before every clock read, and the median of `repe
 length a direction's target prefill and transfer are timed in turn, so host drift moves both alike. Timing
 needs no trained weights, so models and mappers may be random, built from named shapes alone:
 
-    python -m kvt.bench --pair qwen3-0.6b:1.7b --lengths 512,1024,2048,4096 [--scope head] [--recompute 0.05,0.25] [--device cuda --dtype bfloat16]
+    python -m kvt.harness.bench --pair qwen3-0.6b:1.7b --lengths 512,1024,2048,4096 [--scope head] [--recompute 0.05,0.25] [--device cuda --dtype bfloat16]
 
 A pair whose two models do not fit in memory together runs with --lean (bench_lean): the models are
 built in turn and only their caches are kept between them.
@@ -42,13 +42,14 @@ import torch
 from tqdm import tqdm
 
 from kvt.config import KvtError, at_least, command, parse_pair, plain_requested, shape
-from kvt.dist import check_devices
+from kvt.harness.dist import check_devices
 from kvt.fast import apply as fast_apply
 from kvt.fast import keep_freed_memory
 from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper, check_pair_weights
-from kvt.model import Transformer, build_model, layer_devices
-from kvt.plan import forward_flops
+from kvt.model import Transformer
+from kvt.loading import build_model, layer_devices
+from kvt.harness.plan import forward_flops
 from kvt.stats import KINDS, groups
 
 
@@ -387,7 +388,7 @@ def format_rows(rows):
     if any(r.get("map_s") and r.get("last_gbs") is None for r in rows):
         out += ["", "-: a round's transfer minus its map (the last step), median over rounds, was not positive: the "
                 "step is shorter than the timing noise here, so no rate is given; time longer contexts or more rounds "
-                "(python -m kvt.bench --repeats)"]
+                "(python -m kvt.harness.bench --repeats)"]
     return "\n".join(out)
 
 

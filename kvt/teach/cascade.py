@@ -5,7 +5,7 @@ the query escalates to a large model, which needs the prompt's KV one of three w
     transfer   kvt maps the small model's cache (the handoff: the large model runs the last token)
     recompute  transfer, then the large model recomputes a budget of the mapped slots (handoff.Recompute)
 
-    python -m kvt.cascade runs/toy-s_toy-l/records-*.jsonl --recompute runs/rc/records-*.jsonl \
+    python -m kvt.teach.cascade runs/toy-s_toy-l/records-*.jsonl --recompute runs/rc/records-*.jsonl \
         --shapes qwen3-0.6b:1.7b --tokens 4096
 
 Accuracy comes from the records of a finished run.py, which scored every item as the small model alone
@@ -16,7 +16,7 @@ choice, the probability it gives its own answer among the choices (the softmax o
 loglikelihoods); for generation, exp of the mean log-probability of its answer's tokens. Escalating
 the n least confident items, for every n, sweeps the escalation rate from 0 to 100%.
 
-Cost per query comes from the FLOP model of kvt/bench.py on real model shapes (--shapes: a toy's
+Cost per query comes from the FLOP model of kvt/harness/bench.py on real model shapes (--shapes: a toy's
 prefill costs too little to be worth timing): the small model's prefill for every query, plus, for an
 escalated one, the large model's prefill, the transfer (mapper and the large model's last token), or the
 transfer plus the recomputed fraction of a prefill. Costs are in units of the large model's prefill of
@@ -28,11 +28,11 @@ import json
 import math
 from pathlib import Path
 
-from kvt import tasks
-from kvt.bench import transfer_flops
+from kvt.harness import tasks
+from kvt.harness.bench import transfer_flops
 from kvt.config import KvtError, at_least, command, parse_pair, shape
-from kvt.figures import pyplot
-from kvt.plan import forward_flops, mapper_bytes
+from kvt.harness.figures import pyplot
+from kvt.harness.plan import forward_flops, mapper_bytes
 
 WAYS = ("prefill", "transfer", "recompute")
 

@@ -3,7 +3,7 @@
 `python run.py` with no arguments needs two models of one family that fit in the repo and train in
 minutes on a laptop. This file makes them from nothing but a seed:
 
-    python -m kvt.toy train --out weights      # retrains weights/toy-{s,m,l}/, deterministically
+    python -m kvt.harness.toy train --out weights      # retrains weights/toy-{s,m,l}/, deterministically
 
   corpus(n, seed)           documents of templated text whose later words can only be predicted from
                             earlier ones: a roster ("the pets : anna cat , ben dog .") whose names come
@@ -45,9 +45,9 @@ import torch.nn.functional as F
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvt import scoring
+from kvt.harness import scoring
 from kvt.config import Config, KvtError, at_least, command
-from kvt.model import build_model, load_model
+from kvt.loading import build_model, load_model
 from kvt.tokenizer import load_tokenizer
 from kvt.weights import save_model
 
@@ -333,7 +333,7 @@ def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print, init
 
 
 def choice_accuracy(model, encode, items, context=True):
-    """Accuracy on multiple-choice records, scored as the evals score them (kvt.scoring.score_choices:
+    """Accuracy on multiple-choice records, scored as the evals score them (kvt.harness.scoring.score_choices:
     the choice with the highest loglikelihood after the context wins). context=False reads only the
     question (question()): the "floor" condition. encode: str -> token ids."""
     right = 0.0

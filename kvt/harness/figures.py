@@ -6,8 +6,8 @@ the k best rows of each column. heatmap() draws that map with unicode shades (on
 one column per target layer, `*` on the chosen cells); save_png() draws it with matplotlib when that
 is installed (it is never required).
 
-    python -m kvt.figures r2                                   # the toy pair toy-s -> toy-m, in weights/
-    python -m kvt.figures r2 --pair qwen3-0.6b:1.7b --calib ../shared/data/calib/wikitext-2 --png r2.png
+    python -m kvt.harness.figures r2                                   # the toy pair toy-s -> toy-m, in weights/
+    python -m kvt.harness.figures r2 --pair qwen3-0.6b:1.7b --calib ../shared/data/calib/wikitext-2 --png r2.png
 """
 import argparse
 from pathlib import Path
@@ -338,9 +338,9 @@ def main(argv=None):
         return recompute_figure(args.results, args.png)
 
     import kvt
-    from kvt import toy
+    from kvt.harness import toy
     from kvt.config import find_weights, matched_kv, parse_pair
-    from kvt.data import calibration_sequences, check_same_tokenizer
+    from kvt.harness.data import calibration_sequences, check_same_tokenizer
     from kvt import fast
     from kvt.mapper import calibrate
 

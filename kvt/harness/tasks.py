@@ -30,7 +30,7 @@ Built-in prompts follow lm-evaluation-harness v0.4 task yamls:
                  line of the greedy answer, SQuAD token F1 with the harness's leave-one-out over answers
   winogrande     winogrande_xl validation; the sentence up to its blank with each option as the two
                  contexts, the rest of the sentence as the shared continuation; acc
-  toy_*          the toy family's generated tasks (kvt/toy.py), no data files
+  toy_*          the toy family's generated tasks (kvt/harness/toy.py), no data files
 load_task() gives a task's items in one fixed seeded order, stratified (MMLU by subject, HellaSwag and
 CoQA by source), so the first N are a representative sample and a smaller N is a prefix of a larger one.
 """
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from kvt import answers, toy
+from kvt.harness import answers, toy
 from kvt.config import KvtError
 
 
@@ -164,7 +164,7 @@ class Task:
         if not callable(self.load) or (self.score is not None and not callable(self.score)):
             refuse("load (and score, if given) must be functions")
         if not all(isinstance(m, str) for m in self.metrics) or not all(isinstance(s, Source) for s in self.sources):
-            refuse("metrics are names (str), sources kvt.tasks.Source records")
+            refuse("metrics are names (str), sources kvt.harness.tasks.Source records")
         set_ = partial(object.__setattr__, self)  # a frozen record: defaults are filled in once, here
         set_("metrics", tuple(self.metrics) or KINDS[self.kind])
         set_("primary", self.primary or self.metrics[0])
@@ -328,7 +328,7 @@ def winogrande(rows):
 
 
 def toy_task(name, n=1000):
-    """A task of the toy family (kvt/toy.py): a fixed pool of n items generated from a fixed seed, no data
+    """A task of the toy family (kvt/harness/toy.py): a fixed pool of n items generated from a fixed seed, no data
     files. The floor reads only the context's last clause (toy.question: the question without the facts)."""
     items = []
     for i, r in enumerate(toy.toy_tasks(name, n)):
@@ -380,7 +380,7 @@ def register(task):
     task file imported again); a built-in task's name is refused, and so is one name given to two tasks of
     one task file. Returns the task."""
     if not isinstance(task, Task):
-        raise KvtError(f"register() takes a kvt.tasks.Task, not {type(task).__name__}")
+        raise KvtError(f"register() takes a kvt.harness.tasks.Task, not {type(task).__name__}")
     if task.name in BUILTIN and TASKS[task.name] is not task:
         raise KvtError(f"task {task.name!r} is built in; give your task another name")
     if _loading is not None:
@@ -402,7 +402,7 @@ def load_task_file(path):
     its top level, which are registered here. Returns the names of the tasks it registered or defined."""
     path = Path(path)
     if not path.is_file():
-        raise KvtError(f"--task-file {path}: no such file; give a Python file that defines kvt.tasks.Task objects")
+        raise KvtError(f"--task-file {path}: no such file; give a Python file that defines kvt.harness.tasks.Task objects")
     before = dict(TASKS)
     name = f"kvt_task_file_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -432,7 +432,7 @@ def load_task_file(path):
         _loading = None
     names = [n for n, t in TASKS.items() if before.get(n) is not t] + [t.name for t in defined if t.name not in BUILTIN]
     if not names:
-        raise KvtError(f"--task-file {path} defines no task: call kvt.tasks.register(Task(...)) or define Task objects")
+        raise KvtError(f"--task-file {path} defines no task: call kvt.harness.tasks.register(Task(...)) or define Task objects")
     return list(dict.fromkeys(names))
 
 

@@ -6,7 +6,7 @@ turn, and the same numbers in lm-evaluation-harness's results layout.
     lm_eval_results(summary)     {condition: {"results": {task: {"acc,none": .., "acc_stderr,none": ..}}}}
     coqa_turns, coqa_agreement   CoQA per turn: gold F1 and EM, the gap, its drift
 
-A record is one plain dict per (task, condition, item id) (kvt/evals.py). Most metrics are means over
+A record is one plain dict per (task, condition, item id) (kvt/harness/evals.py). Most metrics are means over
 items. The perplexities of loglikelihood_rolling tasks are corpus-level, as the harness aggregates them
 (weighted_perplexity, bits_per_byte): one number from the sums over all scored texts of the
 loglikelihood `ll` and the length in words or bytes, lower is better. Retention is transfer / target
@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from kvt import tasks
-from kvt.answers import token_f1
+from kvt.harness import tasks
+from kvt.harness.answers import token_f1
 
 
 def _exp(x):

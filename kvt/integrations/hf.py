@@ -1,6 +1,6 @@
 """transformers interop: a DynamicCache <-> a kvt Cache, and a handoff between two transformers models.
 
-    import kvt, kvt.hf
+    import kvt, kvt.integrations.hf
     from kvt.mapper import calibrate
     from transformers import AutoModelForCausalLM
 
@@ -8,7 +8,7 @@
     mapper, _ = calibrate(kvt.load_model("weights/toy-s"), kvt.load_model("weights/toy-m"), calib)  # fit with kvt
     source, target = (AutoModelForCausalLM.from_pretrained(f"weights/{n}") for n in ("toy-s", "toy-m"))
     ids = torch.tensor([tok.encode("the cities : ray lima , rosa rome , tom oslo . it is a rainy day . so tom")])
-    state = kvt.hf.transfer(source, target, mapper, ids)   # the source prefills ids[:, :-1], kvt maps its cache
+    state = kvt.integrations.hf.transfer(source, target, mapper, ids)   # the source prefills ids[:, :-1], kvt maps its cache
     out = target.generate(ids, **state, max_new_tokens=8, do_sample=False)   # the target runs ids[:, -1] on
     tok.decode(out[0, ids.shape[1]:].tolist())                  # ' oslo , leo oslo , alan rome .'
 
@@ -34,7 +34,7 @@ try:
     from transformers import DynamicCache
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as e:  # a test and interop dependency, never a requirement of kvt itself
-    raise KvtError(f"kvt.hf needs transformers ({e}); pip install transformers") from None
+    raise KvtError(f"kvt.integrations.hf needs transformers ({e}); pip install transformers") from None
 
 # The name of the cache in a model's output and in generate()'s keywords: transformers 5.0 says
 # past_key_values, later 5.x releases (5.24) say cache (past_key_values there is deprecated). Tested: 5.0, 5.24.

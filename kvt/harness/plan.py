@@ -7,10 +7,10 @@
     p = split_to_fit(p, capacity(p.devices))  # layer scope: statistics in as few passes as fit
 
     kvt plan --pair qwen3-14b:32b --device h200    # the headline run on paper: memory, host, disk, time
-    python -m kvt.plan --pair qwen3-14b:32b --summary              # H100/H200 x 1, 2, 4, 8
+    python -m kvt.harness.plan --pair qwen3-14b:32b --summary              # H100/H200 x 1, 2, 4, 8
 
 Every row is a closed-form count of numbers times bytes per number, on the device where kvt puts it.
-model.place splits n devices by contiguous layers (model.layer_device: layer l on devices[l * n // L]),
+loading.place splits n devices by contiguous layers (loading.layer_device: layer l on devices[l * n // L]),
 the embedding on the first, the final norm and lm_head on the last. With C = dim, F = ffn_dim, V = vocab,
 N = B * T:
 
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvt.config import KvtError, at_least, check_matched_kv, command, matched_kv, parse_pair, shape
-from kvt.model import layer_device
+from kvt.loading import layer_device
 from kvt.stats import candidate_layers, groups
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
@@ -217,7 +217,7 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
          bench=False):
     """The memory plan of a run (see the module docstring): calibration (unless calibrate=False, when a
     saved mapper is reused) and transfer of `batch` contexts of `context` tokens, with both models in
-    `dtype` split over `devices` by model.place; with `bench`, kvt.bench's timing at that context too.
+    `dtype` split over `devices` by loading.place; with `bench`, kvt.harness.bench's timing at that context too.
     group: layer-scope statistics in passes of at most this many target layers' worth (see
     split_to_fit). Host memory is planned in a column of its own (HOST). Returns a Plan."""
     options = dict(scope=scope, k=k, context=context, dtype=dtype, devices=list(devices), batch=batch,
@@ -262,7 +262,7 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
               mapper_bytes(src_cfg, tgt_cfg, scope, k, devices, dtype)),
              ("transfer", "position-free source KV (float32)", working_bytes(src_cfg, tgt_cfg, devices, n)),
              ("transfer", "activations, one layer", activation_bytes((src_cfg, tgt_cfg), devices, n, dtype))]
-    if bench:  # kvt.bench: both models' caches of the context kept, then each direction timed in turn
+    if bench:  # kvt.harness.bench: both models' caches of the context kept, then each direction timed in turn
         T, act = context, activation_bytes((src_cfg, tgt_cfg), devices, context, dtype)
         mappers = add(mapper_bytes(src_cfg, tgt_cfg, scope, k, devices, dtype),
                       mapper_bytes(tgt_cfg, src_cfg, scope, min(k, tgt_cfg.n_layers), devices, dtype))

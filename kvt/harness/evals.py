@@ -2,7 +2,7 @@
 
     conds = conditions(target, source, transfer(source, target, mapper))
     records = list(evaluate("arc_easy", tasks.load_task("arc_easy", data_dir, 200), tok, conds))
-    summary.summarize(records)       # kvt/summary.py: accuracy, 95% intervals, retention
+    summary.summarize(records)       # kvt/harness/summary.py: accuracy, 95% intervals, retention
 
 A condition says where the context's cache comes from; a model then scores or generates from it:
     target    the target prefills the context itself
@@ -10,7 +10,7 @@ A condition says where the context's cache comes from; a model then scores or ge
     source    the source model alone
     floor     the target with only the item's minimal prefix (BOS, "Answer:", "A:"): what it knows
               without the context, so retention can be read against it
-How a condition meets each kind of task (kvt/tasks.py):
+How a condition meets each kind of task (kvt/harness/tasks.py):
     multiple_choice        it reads the context; its model scores every choice from that cache
     multiple_input         it reads each option's context in turn; its model scores the shared
                            continuation from each cache (floor: each context's minimal prefix)
@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from kvt import fast, scoring, tasks
-from kvt.answers import coqa_em, coqa_f1
+from kvt import fast
+from kvt.harness import scoring, tasks
+from kvt.harness.answers import coqa_em, coqa_f1
 from kvt.config import KvtError
 from kvt.handoff import Recompute, handoff
 from kvt.model import generate
@@ -98,7 +99,7 @@ def _device(model):
 # ------------------------------------------------------------------------------ loglikelihood
 
 def score_choice(cond, tok, items, task):
-    """multiple_choice: kvt.scoring.score_choice_batch, the scorer toy.choice_accuracy uses too."""
+    """multiple_choice: kvt.harness.scoring.score_choice_batch, the scorer toy.choice_accuracy uses too."""
     triples = [(item.floor if cond.floor else item.context, item.choices, item.gold) for item in items]
     return scoring.score_choice_batch(cond.model, tok.encode, triples, tok.prefix_id, cond.prefill)
 
@@ -165,8 +166,8 @@ def generate_until(cond, tok, contexts, until, max_new_tokens, logprobs=None):
 
 
 def score_generation(cond, tok, items, task, max_new_tokens=None):
-    """generate_until: the greedy output, scored by the task's score(output, gold) (kvt/answers.py), and
-    the mean log-probability of its tokens (`logprob`: the model's confidence, kvt/cascade.py). Items
+    """generate_until: the greedy output, scored by the task's score(output, gold) (kvt/harness/answers.py), and
+    the mean log-probability of its tokens (`logprob`: the model's confidence, kvt/teach/cascade.py). Items
     with the same stop strings generate as one batch."""
     out = []
     for until, group in itertools.groupby(items, key=lambda item: tuple(item.until)):
@@ -249,7 +250,7 @@ SCORERS = {"multiple_choice": score_choice, "multiple_input": score_inputs, "gen
 def evaluate(task, items, tok, conds, done=(), progress=True, batch_size=1, **options):
     """Yield one record {"task", "condition", "id", ...scores} per (item, condition), item by item,
     skipping the (condition, item id) pairs in `done`, so a resumed run may list its items in any order.
-    task: a registered name (kvt.tasks). batch_size: items scored together under each condition (see
+    task: a registered name (kvt.harness.tasks). batch_size: items scored together under each condition (see
     the module docstring). options: max_new_tokens (generation, coqa; default the task's), start (coqa:
     the turn that follows the handoff). CoQA has no floor: floor conditions are skipped."""
     task = tasks.get(task)

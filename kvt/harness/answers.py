@@ -5,7 +5,7 @@
                                   last number), each followed by its exact_match
     token_f1, exact_match         SQuAD's, on normalized answers; coqa_f1 / coqa_em add the harness's
                                   leave-one-out over several gold answers (coqa/utils.py compute_scores)
-A generate_until task's `score` is any function (output, gold) -> {metric: value} (kvt/tasks.py).
+A generate_until task's `score` is any function (output, gold) -> {metric: value} (kvt/harness/tasks.py).
 """
 import re
 import string

@@ -2,13 +2,13 @@
 harness's own output folders.
 
     pip install 'kvt[lmeval]'          # lm-eval >=0.4.10,<0.5 (tested: 0.4.10, 0.4.13)
-    python -m kvt.lm_eval --model_args source=weights/toy-s,target=weights/toy-m,condition=transfer \\
+    python -m kvt.integrations.lm_eval --model_args source=weights/toy-s,target=weights/toy-m,condition=transfer \\
         --tasks TASK --output_path out/transfer --log_samples          # the harness's own arguments
-    python -m kvt.lm_eval retention out/target out/transfer [out/source]
+    python -m kvt.integrations.lm_eval retention out/target out/transfer [out/source]
 
-`python -m kvt.lm_eval ...` imports this file (which registers the model "kvt" with the harness) and runs
+`python -m kvt.integrations.lm_eval ...` imports this file (which registers the model "kvt" with the harness) and runs
 the harness's command line with the same arguments (`--model kvt` unless another is named), so it writes
-the harness's results and samples files. From Python: `import kvt.lm_eval`, then
+the harness's results and samples files. From Python: `import kvt.integrations.lm_eval`, then
 lm_eval.simple_evaluate(model="kvt", model_args=...). A bare `lm_eval --model kvt` does not find kvt: the
 harness discovers models only among its own and those imported before it runs (0.4.13 reads no plugin
 entry points, and --include_path adds tasks, not models).
@@ -17,7 +17,7 @@ model_args (comma-separated key=value, as for any harness model):
     source, target   checkpoint folders; or pair=FAMILY-SRC:TGT (e.g. toy-s:m) read from weights=DIR
     condition        target (the target's own prefill), source (the source alone), or transfer (the source
                      prefills the context, the mapper carries its cache to the target, which runs the last
-                     context token and scores or generates the continuation; kvt.evals.transfer)
+                     context token and scores or generates the continuation; kvt.harness.evals.transfer)
     recompute_last, recompute_first, recompute_frac, recompute_by
                      transfer with a recompute budget (kvt.handoff.Recompute; kvt run's options)
     mapper           a saved mapper file; without it, the mapper `kvt run` would make with its defaults is
@@ -25,7 +25,7 @@ model_args (comma-separated key=value, as for any harness model):
     calib, calib_seqs, calib_len, data_dir   that calibration's text (a file or folder), size and data folder
                      (kvt run's --calib, --calib-seqs, --calib-len, --data-dir)
     dtype, device, max_length   as the harness's hf model's; the batch size is the harness's --batch_size
-How each request is answered, with kvt's own scoring (kvt/scoring.py, kvt/evals.py):
+How each request is answered, with kvt's own scoring (kvt/harness/scoring.py, kvt/harness/evals.py):
     loglikelihood          (context, continuation) pairs with one context are scored from one prefill of
                            it (batch_size continuations at a time), tokenized as the harness does
                            (scoring.encode_pair); the context is cut on the left to fit max_length
@@ -34,7 +34,7 @@ How each request is answered, with kvt's own scoring (kvt/scoring.py, kvt/evals.
                            windows share one token of context (rolling_context=1, its default), so a
                            transfer changes nothing there; kvt's option rolling_context=N gives every
                            window after the first N tokens of context, which the source reads under transfer
-    generate_until         greedy (the harness's do_sample=False), kvt.evals.generate_until, until the
+    generate_until         greedy (the harness's do_sample=False), kvt.harness.evals.generate_until, until the
                            task's stop strings, EOS or max_gen_toks
 """
 import inspect
@@ -48,20 +48,20 @@ import torch
 from tqdm import tqdm
 
 import kvt
-from kvt import dist, evals, pipeline, scoring, tasks
+from kvt.harness import dist, evals, pipeline, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair
-from kvt.data import calibration_sequences, check_same_tokenizer
+from kvt.harness.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
 from kvt.mapper import check_pair_weights, load_mapper
-from kvt.model import layer_devices
-from kvt.summary import average_retention, summarize
+from kvt.loading import layer_devices
+from kvt.harness.summary import average_retention, summarize
 
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 except ImportError as e:  # an optional extra, never a requirement of kvt itself
-    raise KvtError(f"kvt.lm_eval needs lm-evaluation-harness ({e}); pip install 'kvt[lmeval]'") from None
+    raise KvtError(f"kvt.integrations.lm_eval needs lm-evaluation-harness ({e}); pip install 'kvt[lmeval]'") from None
 
 CONDITIONS = ("target", "source", "transfer")
 RECOMPUTE_BY = ("attention", "suffix")
@@ -179,7 +179,7 @@ class KvtLM(LM):
         unknown = [k for k in args if k not in known]
         if unknown:
             raise KvtError(f"model_args: unknown key {unknown[0]!r}; kvt's keys are {', '.join(known[:-1])} "
-                           "(python -m kvt.lm_eval --help, docs/lm-eval.md)")
+                           "(python -m kvt.integrations.lm_eval --help, docs/lm-eval.md)")
         return cls(**args, **{k: v for k, v in (additional_config or {}).items() if v is not None and k not in args})
 
     # ------------------------------------------------------------------------------ loglikelihood
@@ -194,7 +194,7 @@ class KvtLM(LM):
 
     def _score(self, pairs, desc="loglikelihood"):
         """[(ll, greedy)] for (ctx ids, cont ids) pairs: each distinct context prefilled once per batch of
-        at most batch_size of its continuations (kvt.scoring.loglikelihoods)."""
+        at most batch_size of its continuations (kvt.harness.scoring.loglikelihoods)."""
         by_ctx = defaultdict(list)                               # context ids -> indices of its requests
         for i, (ctx, _) in enumerate(pairs):
             by_ctx[tuple(ctx)].append(i)
@@ -252,7 +252,7 @@ class KvtLM(LM):
 # ------------------------------------------------------------------------------------ retention
 
 NOT_MEANS = {"perplexity", "bleu", "chrf", "ter", "f1", "mcc", "brier_score"}  # harness metrics aggregated otherwise
-ROLLING = ("word_perplexity", "byte_perplexity", "bits_per_byte")              # kvt.summary.CORPUS, per document
+ROLLING = ("word_perplexity", "byte_perplexity", "bits_per_byte")              # kvt.harness.summary.CORPUS, per document
 
 
 def read_samples(folder):
@@ -305,7 +305,7 @@ def condition_of(config, folder):
 
 
 def retention(folders):
-    """kvt's summary (kvt.summary.summarize) of harness output folders, one per condition, item-paired by
+    """kvt's summary (kvt.harness.summary.summarize) of harness output folders, one per condition, item-paired by
     the harness's doc ids; folders: paths, or NAME=PATH to name a folder's condition. Each harness task is
     registered as a kvt task lm_eval:<task> with the per-item metrics its samples carry. Returns summarize's
     and average_retention's results and the pair's names [source, target] (from the transfer run)."""
@@ -337,7 +337,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["retention"]:
         if len(argv) < 3:
-            raise KvtError("usage: python -m kvt.lm_eval retention TARGET_DIR TRANSFER_DIR [SOURCE_DIR] "
+            raise KvtError("usage: python -m kvt.integrations.lm_eval retention TARGET_DIR TRANSFER_DIR [SOURCE_DIR] "
                            "(or NAME=DIR each)")
         summary, average, (src, tgt) = retention(argv[1:])
         print(pipeline.format_summary(summary, average, src, tgt))

@@ -1,7 +1,7 @@
 """Smaller siblings of a checkpoint, made the way real families make theirs: prune, then heal by distillation.
 
-    python -m kvt.family build --parent weights/smollm2-135m --kind depth --out weights/smollm2-135m-depth15
-    python -m kvt.family build --parent weights/smollm2-135m --kind width --out weights/smollm2-135m-ffn768
+    python -m kvt.teach.family build --parent weights/smollm2-135m --kind depth --out weights/smollm2-135m-depth15
+    python -m kvt.teach.family build --parent weights/smollm2-135m --kind width --out weights/smollm2-135m-ffn768
 
 A sibling shares the parent's tokenizer, width, KV heads and head dim, so the pair is matched-KV:
   depth  keeps the half of the layers with the highest block influence (ShortGPT, Men et al. 2024),
@@ -44,8 +44,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kvt.config import KvtError, at_least, command, config_from_dict, load_config
-from kvt.data import SKIP
-from kvt.model import build_model, load_model
+from kvt.harness.data import SKIP
+from kvt.loading import build_model, load_model
 from kvt.tokenizer import load_tokenizer
 from kvt.weights import fingerprint, save_model, write_safetensors
 

@@ -7,10 +7,10 @@ Several contexts are one left-padded prefill and every continuation of every con
 batch after it (a GPU reading one context at a time waits on kernel launches); each result equals the
 one its context gets alone within the dtype's rounding (tests/test_batch.py).
 
-The evals (kvt/evals.py) score every multiple-choice task with score_choices, and so does the toy
+The evals (kvt/harness/evals.py) score every multiple-choice task with score_choices, and so does the toy
 family's trainer (toy.choice_accuracy), so a toy model's held-out recall and its evaluation are the
 same number. `prefill` is where a condition enters: None reads the context with the model itself; a
-transfer reads it with the source and maps the cache (kvt.evals.transfer).
+transfer reads it with the source and maps the cache (kvt.harness.evals.transfer).
 """
 import torch
 
