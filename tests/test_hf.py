@@ -18,7 +18,7 @@ from kvt.mapper import calibrate
 from tests.conftest import ROOT, calib_of, tiny_config
 
 transformers = pytest.importorskip("transformers")
-from kvt import hf  # noqa: E402  (imports transformers
+from kvt.integrations import hf  # noqa: E402  (imports transformers
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

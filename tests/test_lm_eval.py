@@ -27,7 +27,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import kvt  # noqa: E402
 from kvt.harness import evals as E  # noqa: E402
 from kvt.harness import tasks as T  # noqa: E402
-from kvt import toy  # noqa: E402
+from kvt.harness import toy  # noqa: E402
 from kvt.config import KvtError  # noqa: E402
 from kvt.harness.data import calibration_sequences  # noqa: E402
 from kvt.integrations.lm_eval import KvtLM, cli, main, retention  # noqa: E402
