@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from kvt import fast, rope
 from kvt.config import KvtError
-from kvt.model import attend
 from kvt.loading import layer_devices
 
 
@@ -99,18 +98,13 @@ def take_over(target, mapper, src_cache, last_ids, last_mask=None, slots=None, s
     prompt tokens into a cache of the target's, recompute `slots` (their
     token ids slot_ids (B, n)) with the target when given, and run the last prompt token (B, 1) on it,
     appending its K and V after them. Returns (logits (B, 1, V), Cache of T slots). plain=True: the plain
-    path (Mapper.apply, model.attend); by default the fast twins (fast.apply with room for the last
-    token, appended in place, and fast.attention)."""
+    path (Mapper.apply, Cache.update and Cache.attend); by default the fast twins (fast.map_cache with
+    room for the last token: a fast.Reserved, which appends it in place and attends to it in float32)."""
     dtype, device = _dtype_device(target)
-    devices = layer_devices(target)
-    if plain:
-        cache, attention = mapper.apply(src_cache, devices=devices, dtype=dtype), attend
-    else:
-        cache, attention = fast.apply(mapper, src_cache, devices=devices, dtype=dtype, room=1), fast.attention
+    cache = fast.map_cache(mapper, src_cache, layer_devices(target), dtype, room=1, plain=plain)
     if slots is not None and len(slots):
         _, cache = target(slot_ids.to(device), cache=cache, slots=slots.to(device), last=True)
-    return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device),
-                  attention=attention)
+    return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device))
 
 
 def r2(pred, true):
@@ -150,7 +144,7 @@ def diagnose(source, target, mapper, ids, cuts=4, plain=False):
     """Diagnostics of a mapper on held-out ids (B, T) (no padding), one sequence at a time (the target's
     queries of every layer are held for one sequence only): a dict with r2_k, r2_v (pooled over the
     sequences), attn_cos (mean over them), lists over target layers, their means, and kl (mean over
-    B x cuts handoffs). plain: map with Mapper.apply rather than its fast twin."""
+    B x cuts handoffs). plain: fast.map_cache's."""
     dtype, device = _dtype_device(target)
     inv, scale = target.inv_freq, target.rope_scale
     L, T = target.config.n_layers, ids.shape[1]
@@ -160,8 +154,7 @@ def diagnose(source, target, mapper, ids, cuts=4, plain=False):
     for seq in ids:
         _, src = source(seq[None].to(next(source.parameters()).device), last=True)
         own_logits, true = target(seq[None].to(device), queries=True)
-        mapped = (mapper.apply(src, devices=layer_devices(target), dtype=dtype) if plain else
-                  fast.apply(mapper, src, devices=layer_devices(target), dtype=dtype))
+        mapped = fast.map_cache(mapper, src, layer_devices(target), dtype, plain=plain)
         for l in range(L):
             k_true, k_map = (rope.strip(k, true.positions.to(k.device), inv, scale)
                              for k in (true.keys[l], mapped.keys[l]))

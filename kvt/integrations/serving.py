@@ -10,9 +10,10 @@
     out[0].kv_transfer_params["kvt"]    # {"loaded": T - 1} or {"fallback": why}
 
 The protocol is kvt's handoff (handoff.py): for a prompt of T tokens, the connector reports the first T - 1
-as loadable (get_num_new_matched_tokens), maps the source's KV of those slots with fast.apply (or
-Mapper.apply under KVT_PLAIN=1 or the extra config's "plain": true) and writes it into the target's paged KV buffers for the request's blocks
-(start_load_kv); vLLM then runs the last prompt token on it, as kvt's take_over does.
+as loadable (get_num_new_matched_tokens), maps the source's KV of those slots with fast.map_cache (its plain
+path, Mapper.apply, under KVT_PLAIN=1 or the extra config's "plain": true) and writes it into the target's
+paged KV buffers for the request's blocks (start_load_kv); vLLM then runs the last prompt token on it, as
+kvt's take_over does.
 
 Approximate KV is never served as exact: the target engine must run with enable_prefix_caching=False
 (vLLM would otherwise commit the mapped blocks to its prefix cache under the prompt's exact block hashes,
@@ -238,8 +239,7 @@ class KvtConnector(KVConnectorBase_V1):
         """Map the file's first n slots to this engine's model and write them into the request's blocks."""
         src = load_kv(load.path, load.n)                                     # L_src x (1, Hkv_s, n, D_s)
         kv0 = self.kv_caches[0]
-        mapped = (self.mapper.apply(src, dtype=kv0.dtype) if self.plain else
-                  fast.apply(self.mapper, src, dtype=kv0.dtype))                # L x (1, Hkv, n, D)
+        mapped = fast.map_cache(self.mapper, src, dtype=kv0.dtype, plain=self.plain)  # L x (1, Hkv, n, D)
         block, offset = slots(load.block_ids, load.n, self.block_size)
         for l, kv in sorted(self.kv_caches.items()):
             keys, values = paged_view(kv, self.block_size)

@@ -612,11 +612,11 @@ SHAPE = re.compile(r"\((B|G|N|T|n|H|Hkv|L|Ls|Lt), ")  # a shape comment: "# (B, 
 # Other kvt code that computes a graded function's answer: in the student copy its body is replaced by one
 # that calls the graded functions, so it works exactly when they do (and shows nothing of how).
 GIVEAWAYS = {
-    "rope": {"rope.strip_cos_sin": """\
+    "rope": {"fast.strip_cos_sin": """\
     pos = pos if pos.dim() == 2 else pos[None]                   # (student copy: routed through rope.strip,
     B, T, half = pos.shape[0], pos.shape[1], inv_freq.shape[0]   # which you write)
     e = torch.cat([torch.ones(half), torch.zeros(half)]).to(dtype).expand(B, 1, T, 2 * half)  # (B, 1, T, D)
-    y = strip(e, pos, inv_freq, scale)                            # (B, 1, T, D): [cos, -sin] / scale
+    y = rope.strip(e, pos, inv_freq, scale)                       # (B, 1, T, D): [cos, -sin] / scale
     return y[..., :half].repeat(1, 1, 1, 2), y[..., half:].repeat(1, 1, 1, 2)
 """},
 }
