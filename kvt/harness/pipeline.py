@@ -55,7 +55,8 @@ from kvt.config import (KvtError, at_least, check_matched_kv, checkpoint_name, f
                         plain_requested)
 from kvt.harness.data import calibration_sequences, check_same_tokenizer, heldout_windows
 from kvt.harness.figures import retention_png
-from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate, next_nll
+from kvt.harness.diagnose import MAX_KL, MIN_ATTN_COS, diagnose, format_diagnostics, gate, next_nll
+from kvt.handoff import Recompute
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, check_pair_weights, load_mapper, save_mapper
 from kvt.loading import check_weights, layer_devices

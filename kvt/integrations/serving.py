@@ -20,7 +20,7 @@ Approximate KV is never served as exact: the target engine must run with enable_
 for any later request with that prefix); the connector refuses to start otherwise. A request falls back to
 the target's own prefill, and says so in its output's kv_transfer_params["kvt"], when its KV file is
 missing or unreadable, was saved by another model than the mapper's source or with another tokenizer, holds
-other tokens than its prompt, or the mapper's gate verdict (handoff.gate on its stored diagnostics) is not
+other tokens than its prompt, or the mapper's gate verdict (diagnose.gate on its stored diagnostics) is not
 "fit". A load that fails on the worker reports the request's blocks (get_block_ids_with_load_errors), and
 vLLM recomputes them (kv_load_failure_policy="recompute", set by connector_config).
 
@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 from kvt import fast
 from kvt.cache import Cache, kv_header, load_kv, save_kv
 from kvt.config import KvtError, load_config, plain_requested
-from kvt.handoff import gate
+from kvt.harness.diagnose import gate
 from kvt.mapper import load_mapper
 from kvt.tokenizer import load_tokenizer
 
@@ -57,7 +57,7 @@ log = init_logger(__name__)
 
 def connector_config(mapper=None, role="kv_consumer", **gate_thresholds):
     """KVTransferConfig's keyword arguments for kvt's connector: a target engine (role kv_consumer) with
-    the mapper file, or a source engine (kv_producer, no mapper). gate_thresholds: handoff.gate's
+    the mapper file, or a source engine (kv_producer, no mapper). gate_thresholds: diagnose.gate's
     min_attn_cos, max_kl, min_r2, to override its defaults."""
     extra = {"mapper": str(mapper)} if mapper else {}
     if gate_thresholds:
