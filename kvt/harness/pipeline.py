@@ -22,7 +22,7 @@ each a function here calling into one kvt stage:
   2. get_mapper: statistics, layer selection, ridge (mapper.calibrate), saved to
      OUT/mapper-<settings>.safetensors and reused when it exists; `--mapper mlp` swaps ridge for the
      paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
-  3. check_mapper: diagnostics on the diagnostics region and the gate (handoff.py);
+  3. check_mapper: diagnostics on the diagnostics region and the gate (harness/diagnose.py);
   4. batch_size, evaluate (evaluate_back: CoQA the other way): every task (tasks.py; --task-file adds the
      user's own) under target / transfer / source / floor (evals.py) on one seeded sample of items, one
      record per item and condition appended to OUT/records-<settings>.jsonl as it is computed, so an
