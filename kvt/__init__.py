@@ -27,7 +27,7 @@ Stages, in the order data flows (a module never imports from a later one):
 __version__ = "0.2.0"
 
 from kvt.config import KvtError, load_config, shape  # noqa: E402
-from kvt.model import generate
+from kvt.fast import generate  # noqa: E402  (greedy decoding; by default the fast twin, plain=True: model.generate)
 from kvt.loading import build_model, load_model  # noqa: E402
 from kvt.weights import save_model  # noqa: E402
 from kvt.tokenizer import load_tokenizer  # noqa: E402

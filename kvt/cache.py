@@ -6,13 +6,15 @@ positions and `mask` which slots hold real tokens (False marks left padding). A 
 exactly this object for the target model, which then simply continues from it. kvt's model stores
 each layer head by head, contiguous (B, Hkv, T, D), the order in which the mapper reads it.
 
-The cache owns its writes. A forward step asks for the cache it will return (grow: the new slots'
-positions and mask), and each attention layer hands it that step's keys and values (update, the one
-cache line of model.Attention): they follow the cached ones (torch.cat: new tensors, so the cache the
-step started from is left as it was), or, for a recompute, replace the cached ones at given slots in
-place. select, expand and crop return caches whose tensors are views of this one's: scoring n
-continuations of one context, or a prefix of a longer cache, costs no copy. (kvt/fast.py's Reserved
-is a cache that owns free slots after its last one and appends there in place, as gpt-fast does.)
+The cache owns its writes and the attention over them. A forward step asks for the cache it will
+return (grow: the new slots' positions and mask), and each attention layer hands it that step's keys
+and values (update): they follow the cached ones (torch.cat: new tensors, so the cache the step
+started from is left as it was), or, for a recompute, replace the cached ones at given slots in place;
+then the layer's queries attend over them (attend: torch's scaled dot-product attention). select,
+expand and crop return caches whose tensors are views of this one's: scoring n continuations of one
+context, or a prefix of a longer cache, costs no copy. (kvt/fast.py's Reserved is a cache that owns
+free slots after its last one and appends there in place, as gpt-fast does, and attends one query in
+float32 matmuls.)
 
 A cache as a file (save_kv, load_kv): one sequence's keys and values per layer, its positions and token
 ids, and the fingerprints of the model and tokenizer that made it, as safetensors; what a source serving
@@ -21,6 +23,7 @@ engine writes for a target engine's connector to map (kvt/integrations/serving.p
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
@@ -56,6 +59,13 @@ class Cache:
         else:
             self.keys[l], self.values[l] = k, v
         return self.keys[l], self.values[l]
+
+    def attend(self, q, k, v, attn_mask, causal):
+        """Scaled dot-product attention of q (B, H, T, D) over a layer's k, v (B, Hkv, S, D), each KV head
+        shared by H / Hkv query heads (GQA). attn_mask: bool (B, 1, T, S), True = attend, or None: causal
+        (a plain prefill) or every slot (one new token). Returns (B, H, T, D)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
     def _map(self, fn, time_fn=None):
         """A new (plain) Cache with fn applied to every tensor (keys/values/queries on dim 0 and 2, the rest

@@ -6,15 +6,19 @@ of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
 
     plain (what the tutorial teaches)          fast twin (here)
     cache.Cache.update (torch.cat)             Reserved.update: appended in place into owned free slots
-    model.attend (torch's fused kernel)        attention: one bf16/fp16 query on a CPU in float32 matmuls
+    cache.Cache.attend (torch's fused kernel)  Reserved.attend: one bf16/fp16 query on a CPU in float32 matmuls
     model.generate                             generate: one Reserved copy, then appends in place
     stats.add_batch (Sums.add_, float64)       add_batch: centered float32 products, upper part, Pending
     Mapper.apply / Mapper.map_layer            apply / map_layer: tiles, one GEMM with the bias, in place
     (glibc's default malloc)                   keep_freed_memory: a freed cache's memory kept for the next
 
-Which path runs is the caller's explicit choice: run.py, kvt bench and the other commands take these
-twins unless --plain (or KVT_PLAIN=1 in the environment, read by the entry points only); a library
-caller passes them (`calibrate(..., add=fast.add_batch)`, `handoff(..., fast=True)`).
+Which path runs is one switch, the keyword `plain`, with one default everywhere: the fast twins.
+Three functions here branch on it: map_cache (Mapper.apply or apply), generate (model.generate or the
+reserved-cache one) and adder (stats.add_batch or add_batch); every function that calls them (handoff,
+take_over, diagnose, kvt.generate, evals' conditions, hf.transfer) takes `plain=False` and passes it
+down. A Reserved cache brings its own attention (Reserved.attend), so the model's files hold no hook
+for it. The entry points (run.py, kvt bench, the serving connector, lm_eval) set plain=True for
+--plain (or KVT_PLAIN=1 in the environment, read by them alone).
 """
 import ctypes
 from dataclasses import dataclass, fields
@@ -36,7 +40,8 @@ class Reserved(Cache):
     """A Cache that owns `room` free slots per layer after its T: a step of t <= room tokens writes its
     keys and values there in place, where Cache.update's torch.cat copies all T slots at every step.
     Used once: continue from the cache each step returns (generate does), since a second step from the
-    same one would write into the same free slots. select, expand, crop and to return plain Caches."""
+    same one would write into the same free slots. select, expand, crop and to return plain Caches, and
+    so does a step with no room left (grow), which then runs the plain update and attention."""
     room: int = 0
 
     def grow(self, positions, mask, full):
@@ -52,6 +57,13 @@ class Reserved(Cache):
             return super().update(l, k, v, slots)
         self.keys[l], self.values[l] = append_in_place(self.keys[l], k), append_in_place(self.values[l], v)
         return self.keys[l], self.values[l]
+
+    def attend(self, q, k, v, attn_mask, causal):
+        """Cache.attend, with one bf16 or fp16 query on a CPU (a decode step, the handoff's last token) in
+        one_query_attention, where torch's fused CPU kernel is slow for a single query."""
+        if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+            return one_query_attention(q, k, v, attn_mask)
+        return super().attend(q, k, v, attn_mask, causal)
 
 
 def reserve(cache, n):
@@ -89,14 +101,6 @@ def keep_freed_memory():
 
 # ---- the model: one query's attention, and decoding ---------------------------------------------------
 
-def attention(q, k, v, attn_mask, causal):
-    """model.attend, with one bf16 or fp16 query on a CPU (a decode step, the handoff's last token) in
-    one_query_attention, where torch's fused CPU kernel is slow for a single query."""
-    if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        return one_query_attention(q, k, v, attn_mask)
-    return model_.attend(q, k, v, attn_mask, causal)
-
-
 def one_query_attention(q, k, v, attn_mask=None):
     """Attention of one query q (B, H, 1, D) over k, v (B, Hkv, S, D) in float32: the H / Hkv query heads
     that share a KV head as the rows of one product with its keys, a softmax, a product with its
@@ -109,11 +113,13 @@ def one_query_attention(q, k, v, attn_mask=None):
     return (scores.softmax(-1) @ v.float()).to(q.dtype).view(B, H, 1, D)
 
 
-def generate(model, logits, cache, max_new_tokens, **kw):
-    """model.generate from one copy of the cache that owns room for every new token (reserve), each step
-    appended in place, with one-query attention."""
-    return model_.generate(model, logits, reserve(cache, max(0, max_new_tokens - 1)), max_new_tokens,
-                           attention=attention, **kw)
+def generate(model, logits, cache, max_new_tokens, plain=False, **kw):
+    """Greedy decoding, model.generate's (its keywords in kw): by default from one copy of the cache that
+    owns room for every new token (reserve), each step appended in place and attended by
+    Reserved.attend; plain: model.generate itself, on `cache`."""
+    if plain:
+        return model_.generate(model, logits, cache, max_new_tokens, **kw)
+    return model_.generate(model, logits, reserve(cache, max(0, max_new_tokens - 1)), max_new_tokens, **kw)
 
 
 # ---- calibration statistics: centered float32 products, held between flushes --------------------------
@@ -221,6 +227,14 @@ def add_shifted_(sums, other, mx, my):
 TILE = 256  # tokens per tile of the map on a CPU: its gathered features (G, TILE, k*Bx) fit an L3 cache
 
 
+def map_cache(mapper, src_cache, devices=None, dtype=None, room=0, plain=False):
+    """The target's cache for a source cache (devices, dtype: Mapper.apply's): by default apply's, a
+    Reserved owning `room` free slots for the target's next step; plain: Mapper.apply's, a plain Cache."""
+    if plain:
+        return mapper.apply(src_cache, devices=devices, dtype=dtype)
+    return apply(mapper, src_cache, devices=devices, dtype=dtype, room=room)
+
+
 @torch.no_grad()
 def apply(mapper, src_cache, positions=None, devices=None, dtype=None, room=0):
     """mapper.apply(src_cache, positions, devices, dtype), faster: the source keys stripped straight into
@@ -298,9 +312,9 @@ def map_layer(mapper, kind, l, xs, out, cos_sin=None):
 
 def rotation(cfg, pos, dtype, inverse=False):
     """device -> (cos, sin) of cfg's RoPE at positions pos (B, T), computed once and copied once to each
-    device asked for; inverse: the rotation that strips RoPE (rope.strip_cos_sin)."""
+    device asked for; inverse: the rotation that strips RoPE (strip_cos_sin)."""
     inv, scale = rope.frequencies(cfg)
-    cos, sin = (rope.strip_cos_sin if inverse else rope.cos_sin)(pos, inv, scale, dtype)   # (B, 1, T, D)
+    cos, sin = (strip_cos_sin if inverse else rope.cos_sin)(pos, inv, scale, dtype)   # (B, 1, T, D)
     made = {}
 
     def on(device):
@@ -308,3 +322,11 @@ def rotation(cfg, pos, dtype, inverse=False):
             made[device] = cos.to(device), sin.to(device)
         return made[device]
     return on
+
+
+def strip_cos_sin(pos, inv_freq, scale, dtype):
+    """cos and sin of the rotation by -pos with the scale divided out: rope.rotate(y, *strip_cos_sin(...))
+    is rope.strip(y) without its division by cos^2 + sin^2, equal to it up to rounding (that sum is 1
+    exactly in exact arithmetic). The inverse precomputed once for many rotations (apply)."""
+    cos, sin = rope.cos_sin(pos, inv_freq, 1 / scale, dtype)
+    return cos, -sin

@@ -44,7 +44,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.norm_eps)
         self.H, self.Hkv, self.D = H, Hkv, D
 
-    def forward(self, x, cos, sin, temperature, cache, l, attn_mask, attention, slots=None):
+    def forward(self, x, cos, sin, temperature, cache, l, attn_mask, slots=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.D)     # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.Hkv, self.D)   # (B, T, Hkv, D)
@@ -57,17 +57,9 @@ class Attention(nn.Module):
         if temperature is not None:                                         # <-- difference 3: Ministral 3
             q = q * temperature.to(q.dtype)
         k, v = cache.update(l, k, v, slots)    # the cache update: after the cached slots (B, Hkv, S, D)
-        y = attention(q, k, v, attn_mask, causal=attn_mask is None and k.shape[2] == T)  # (B, H, T, D)
+        y = cache.attend(q, k, v, attn_mask, causal=attn_mask is None and k.shape[2] == T)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.H * self.D)               # (B, T, H*D)
         return self.o_proj(y), q
-
-
-def attend(q, k, v, attn_mask, causal):
-    """Scaled dot-product attention of q (B, H, T, D) over k, v (B, Hkv, S, D), each KV head shared by
-    H / Hkv query heads (GQA). attn_mask: bool (B, 1, T, S), True = attend, or None: causal (a plain
-    prefill) or every slot (one new token)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MLP(nn.Module):
@@ -116,8 +108,7 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None, last=False, slots=None,
-                attention=attend):
+    def forward(self, input_ids, cache=None, mask=None, queries=False, positions=None, last=False, slots=None):
         """input_ids (B, T) long; cache: a Cache to continue from; mask (B, T) bool, False = left padding;
         positions (B, T) long: RoPE positions of these tokens (default: count on from the cache);
         last: compute logits for the last position only (all a server needs after prefill).
@@ -125,7 +116,6 @@ class Transformer(nn.Module):
         `cache`; their own K and V overwrite the cached ones there, in place (the cache must own its
         memory, as a mapped one does), and each attends to the cache's slots up to its own, the others
         as cached (selective recompute, handoff.py).
-        attention: the attention function (attend; kvt/fast.py has a faster one for one query on a CPU).
         Returns logits (B, T, V) (or (B, 1, V)) and a new Cache holding the old slots plus these T."""
         prefill = cache is None or not len(cache)
         check_ids(input_ids, self.config.vocab_size, values=prefill)  # the values (a device sync) at prefill only
@@ -136,7 +126,7 @@ class Transformer(nn.Module):
         cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
         mask_given, mask = mask, mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
         if slots is not None:
-            return self._recompute(input_ids, cache, slots, queries, last, attention)
+            return self._recompute(input_ids, cache, slots, queries, last)
         if cache.positions.shape[1]:  # next position: one past the last real slot of each row
             start = cache.positions.masked_fill(~cache.mask, -1).amax(1, keepdim=True) + 1  # (B, 1)
         else:
@@ -156,19 +146,19 @@ class Transformer(nn.Module):
             attn_mask = attn_mask[:, None]                         # (B, 1, T, S)
 
         new = cache.grow(positions, key_mask, full)                # every layer's update() extends it
-        logits = self._layers(input_ids, pos, new, attn_mask, queries, last, attention)
+        logits = self._layers(input_ids, pos, new, attn_mask, queries, last)
         return logits, new
 
-    def _recompute(self, input_ids, cache, slots, queries, last, attention):
+    def _recompute(self, input_ids, cache, slots, queries, last):
         """forward(slots=...): the tokens at cache slots `slots` run again, writing their K and V there."""
         S = len(cache)
         i, j = slots[:, None], torch.arange(S, device=slots.device)[None]          # (T, 1) query, (1, S) key slots
         attn_mask = (((j <= i) & cache.mask[:, None]) | (j == i))[:, None]        # (B, 1, T, S)
         new = cache.grow(cache.positions, cache.mask, cache.full)                 # the same slots, rewritten
-        logits = self._layers(input_ids, cache.positions[:, slots], new, attn_mask, queries, last, attention, slots)
+        logits = self._layers(input_ids, cache.positions[:, slots], new, attn_mask, queries, last, slots)
         return logits, new
 
-    def _layers(self, input_ids, pos, cache, attn_mask, queries, last, attention, slots=None):
+    def _layers(self, input_ids, pos, cache, attn_mask, queries, last, slots=None):
         """Every layer over input_ids at RoPE positions pos (B, T), each writing its keys and values into
         cache (and, when asked, its queries into cache.queries): the logits."""
         x = self.model.embed_tokens(input_ids)                     # (B, T, C)
@@ -180,7 +170,7 @@ class Transformer(nn.Module):
             x = x.to(d)
             m = attn_mask.to(d) if attn_mask is not None else None
             t = temperature.to(d) if temperature is not None else None
-            x, q = block(x, cos.to(d), sin.to(d), t, cache, l, m, attention, None if slots is None else slots.to(d))
+            x, q = block(x, cos.to(d), sin.to(d), t, cache, l, m, None if slots is None else slots.to(d))
             if queries:  # only when asked: every layer's queries held to the end cost as much as the KV
                 qs.append(q)
         cache.queries = qs if queries else None
@@ -218,14 +208,12 @@ def check_cache(cache, cfg, batch):
 
 
 @torch.no_grad()
-def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=None, logprobs=None,
-             attention=attend):
+def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=None, logprobs=None):
     """Greedy decoding from a prefilled state: `logits` (B, V) are the last position's, `cache` holds
     the context (it is not modified: each step's cache follows it, cache.Cache.update).
     Stops a row at a token in stop_ids or once decode(row tokens) contains a stop string.
     Returns a list of B token lists, without the stop token; a stop string stays in the text (callers cut it).
-    logprobs: a list of B empty lists, to be filled with the log-probability of each token returned.
-    attention: the model's attention function (fast.generate passes its own)."""
+    logprobs: a list of B empty lists, to be filled with the log-probability of each token returned."""
     B = logits.shape[0]
     out = [[] for _ in range(B)]
     done = [False] * B
@@ -246,6 +234,6 @@ def generate(model, logits, cache, max_new_tokens, stop_ids=(), stop=(), decode=
                 done[b] = True
         if all(done) or step == max_new_tokens - 1:                # the last token needs no forward pass
             break
-        logits, cache = model(nxt[:, None], cache=cache, attention=attention)
+        logits, cache = model(nxt[:, None], cache=cache)
         logits = logits[:, -1]
     return out

@@ -114,10 +114,3 @@ def strip(y, pos, inv_freq, scale=1.0):
     cos, sin = cos_sin(pos, inv_freq, scale, work)
     return (rotate(y.to(work), cos, -sin) / (cos * cos + sin * sin)).to(y.dtype)
 
-
-def strip_cos_sin(pos, inv_freq, scale, dtype):
-    """cos and sin of the rotation by -pos with the scale divided out: rotate(y, *strip_cos_sin(...)) is
-    strip(y) without its division by cos^2 + sin^2, equal to it up to rounding (that sum is 1 exactly
-    in exact arithmetic). The inverse a caller precomputes once for many rotations (kvt/fast.py)."""
-    cos, sin = cos_sin(pos, inv_freq, 1 / scale, dtype)
-    return cos, -sin

@@ -16,7 +16,7 @@ import time
 import torch
 
 import kvt
-from kvt import fast, model as model_, stats
+from kvt import fast, stats
 from kvt.harness.bench import copier, hardware, last_step_bytes, median_times, random_mapper
 from kvt.cache import Cache
 from kvt.capture import capture
@@ -60,24 +60,23 @@ def decode_fns(name, n, steps, dtype):
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     logits, cache = model(ids, last=True)
 
-    def run(plain, mv=False, attention=fast.attention):
+    def run(plain, mv=False, sdpa=False):
         def go():
-            linear = torch.nn.Linear.forward
+            linear, attend = torch.nn.Linear.forward, fast.Reserved.attend
             if mv:  # one token through a weight as torch.mv (a trick kvt dropped: slower on a CPU with bf16 units)
                 torch.nn.Linear.forward = lambda self, x: (torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
                                                            if x.numel() == x.shape[-1] else linear(self, x))
+            if sdpa:  # the Reserved cache attending as a plain Cache does (torch's fused kernel)
+                fast.Reserved.attend = Cache.attend
             try:
-                if plain:
-                    model_.generate(model, logits[:, -1], cache, steps)
-                else:
-                    model_.generate(model, logits[:, -1], fast.reserve(cache, steps - 1), steps, attention=attention)
+                fast.generate(model, logits[:, -1], cache, steps, plain=plain)
             finally:
-                torch.nn.Linear.forward = linear
+                torch.nn.Linear.forward, fast.Reserved.attend = linear, attend
         return go
     return {"fast.generate (Reserved, append_in_place, one_query_attention)": run(False),
             "model.generate (plain: torch.cat, scaled_dot_product_attention)": run(True),
             "fast.generate + torch.mv for one row": run(False, mv=True),
-            "fast.generate with scaled_dot_product_attention": run(False, attention=model_.attend)}
+            "fast.generate with scaled_dot_product_attention": run(False, sdpa=True)}
 
 
 def stats_fns(n):

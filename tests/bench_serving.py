@@ -20,7 +20,7 @@ import torch
 import kvt
 from kvt.harness import toy
 from kvt.harness.data import calibration_sequences
-from kvt.handoff import diagnose
+from kvt.harness.diagnose import diagnose
 from kvt.mapper import calibrate, save_mapper
 from tests.test_vllm import ROOT, engine
 

@@ -155,7 +155,7 @@ class Script(torch.nn.Module):
         self.tokens, self.vocab = tokens, vocab
         self.anchor = torch.nn.Parameter(torch.zeros(1))               # where evals looks for the device
 
-    def forward(self, ids, cache=None, mask=None, last=False, attention=None):
+    def forward(self, ids, cache=None, mask=None, last=False):
         n = 0 if cache is None else cache.n + 1
         logits = torch.full((ids.shape[0], 1, self.vocab), -30.0)
         logits[:, :, self.tokens[min(n, len(self.tokens) - 1)]] = 0.0

@@ -153,22 +153,22 @@ def test_the_student_copy_cannot_grade_itself(solutions, tmp_path, capsys):
 
 
 def test_helpers_that_compute_an_answer_are_routed_through_it(tmp_path):
-    """Guards: rope.strip_cos_sin, which computes rope.strip's answer (the inverse rotation), left readable
+    """Guards: fast.strip_cos_sin, which computes rope.strip's answer (the inverse rotation), left readable
     in the rope student copy; and its routed replacement computing something else than the original (the
     YaRN scale multiplied where strip divides: every stripped key would be off by scale^2)."""
     folder, _ = course.make("rope", tmp_path / "rope")
-    text = (folder / "kvt" / "rope.py").read_text()
+    text = (folder / "kvt" / "fast.py").read_text()
     routed = ast.parse(text)
     node = next(n for n in routed.body if isinstance(n, ast.FunctionDef) and n.name == "strip_cos_sin")
     assert "cos_sin(" not in ast.get_source_segment(text, node).split('"""')[-1], \
-        "rope.strip_cos_sin still computes strip's answer"
-    from kvt import rope
-    namespace = {"strip": rope.strip, "torch": course.torch}
+        "fast.strip_cos_sin still computes strip's answer"
+    from kvt import fast, rope
+    namespace = {"rope": rope, "torch": course.torch}
     exec(compile(ast.Module([node], []), "routed", "exec"), namespace)
     cfg = course.tiny(rope=course.YARN)                              # scale 1.1218
     inv, scale = rope.frequencies(cfg)
     pos = course.torch.randint(0, 3000, (2, 5), generator=course.torch.Generator().manual_seed(0))
-    want, got = rope.strip_cos_sin(pos, inv, scale, course.f64), namespace["strip_cos_sin"](pos, inv, scale, course.f64)
+    want, got = fast.strip_cos_sin(pos, inv, scale, course.f64), namespace["strip_cos_sin"](pos, inv, scale, course.f64)
     for w, g in zip(want, got):
         course.torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)   # float32's rounding of cos / scale
 

@@ -248,3 +248,26 @@ def test_readme_has_commands_to_check():
     """The parse check would pass vacuously if README's commands left ```bash blocks."""
     kinds = {c.split()[0] + " " + c.split()[1] for d, _, c in ALL_COMMANDS if d.name == "README.md"}
     assert {"python run.py", "bash .ci/run", "python -m"} <= kinds, kinds
+
+
+def reading_order():
+    """(file, lines README states) for each row of README's "Reading order" table."""
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Reading order\n(.*?)(?=^## )", text, re.M | re.S)
+    assert section, "README needs a 'Reading order' section: the method's files, in the order to read them"
+    return [(f, int(n)) for f, n in re.findall(r"^\| \d+ \| `(kvt/\w+\.py)` \| (\d+) \|", section.group(1), re.M)]
+
+
+def test_reading_order_is_true_and_an_hour():
+    """Guards: a method file that grew (or a new one) while README still promises a one-hour read; each
+    count is the file's `wc -l`, and together they stay within 1,600 lines (issue: the method as a
+    one-hour read)."""
+    rows = reading_order()
+    assert len(rows) >= 8, f"README's Reading order lists {len(rows)} files"
+    wrong = {f: (n, len((ROOT / f).read_text().splitlines())) for f, n in rows
+             if n != len((ROOT / f).read_text().splitlines())}
+    assert not wrong, f"README's Reading order line counts (stated, actual): {wrong}"
+    total = sum(n for _, n in rows)
+    assert total <= 1600, f"the method's files hold {total} lines, over the 1,600 a student reads in an hour"
+    stated = re.search(r"^([\d,]+) lines in all", (ROOT / "README.md").read_text(), re.M)
+    assert stated and int(stated.group(1).replace(",", "")) == total, "README's total of the method's lines"

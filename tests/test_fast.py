@@ -1,6 +1,6 @@
 """Every fast twin of kvt/fast.py equals its plain function: fast.apply (Mapper.apply), fast.add_fast_
 (Sums.add_) and the streamed statistics (fast.add_batch, Pending; stats.add_batch), the in-place cache
-update (fast.Reserved through reserve; Cache.update), fast.one_query_attention (model.attend), and the
+update (fast.Reserved through reserve; Cache.update), fast.one_query_attention (Cache.attend), and the
 whole handoff and generate on both paths.
 
 Random inputs of several shapes, dtypes, scopes, batch sizes and left padding. "Equal" is within a
@@ -178,6 +178,31 @@ def test_handoff_and_generate_plain_equal_fast(pair, dtype, scope):
     assert cf.room == 0 and type(cp) is Cache
     if dtype == torch.float32:                        # bf16's rounding may tip a near-tie argmax
         assert tf == tp, f"greedy tokens differ: {tf} vs {tp}"
+
+
+def test_the_fast_path_attends_one_query_in_float32(pair, monkeypatch):
+    """The cache chooses the attention: take_over's last token and each of fast.generate's steps attend
+    through fast.one_query_attention (a bf16 query on a CPU, over a Reserved cache), every layer; the
+    plain path, and a Reserved cache with no room left (a plain Cache after its step), never do.
+    Guards: Reserved.attend lost, the fast path then running torch's fused kernel for one query (1.7x
+    slower decoding, docs/speed.md) with every fast test still green."""
+    calls = []
+    one_query = fast.one_query_attention
+    monkeypatch.setattr(fast, "one_query_attention", lambda *a: calls.append(a[0].shape) or one_query(*a))
+    source, target = (m.to(torch.bfloat16) for m in pair)
+    mapper = random_mapper(source.config, target.config, "head", k=2, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    _, src_cache = source(ids[:, :-1], last=True)
+    L = target.config.n_layers
+    logits, cache = take_over(target, mapper, src_cache, ids[:, -1:], plain=True)
+    fast.generate(target, logits[:, -1], cache, 4, plain=True)
+    assert calls == [], f"the plain path attended {len(calls)} times through one_query_attention"
+    logits, cache = take_over(target, mapper, src_cache, ids[:, -1:])
+    assert len(calls) == L, f"take_over's last token: {len(calls)} of {L} layers through one_query_attention"
+    fast.generate(target, logits[:, -1], cache, 4)                  # 3 forward steps: the 4th token needs none
+    assert len(calls) == 4 * L, f"take_over + 3 decode steps: {len(calls)} of {4 * L} layers in one_query_attention"
+    _, grown = target(ids[:, -1:], cache=cache)                      # take_over's cache has no room left
+    assert type(grown) is Cache and len(calls) == 4 * L, "a Reserved cache out of room attended as a Reserved one"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

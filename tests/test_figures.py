@@ -1,8 +1,8 @@
-"""figures.py and handoff.fit_gate: the evidence tables drawn from finished runs' results.json."""
+"""figures.py and diagnose.fit_gate: the evidence tables drawn from finished runs' results.json."""
 import pytest
 
 from kvt.harness.figures import correlations, gate_evidence, recompute_rows
-from kvt.handoff import fit_gate
+from kvt.harness.diagnose import fit_gate
 
 
 def result(cos, kl, retention, frac=0.0, by=None, tasks=None):

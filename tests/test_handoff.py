@@ -4,7 +4,8 @@ import torch
 from conftest import calib_of, function_preserving_twin, tiny_config
 
 import kvt
-from kvt.handoff import diagnose, format_diagnostics, gate, handoff, kl
+from kvt.handoff import handoff
+from kvt.harness.diagnose import diagnose, format_diagnostics, gate, kl
 from kvt.mapper import calibrate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,7 +150,7 @@ def test_exact_pair_keeps_all_the_context_gain(exact):
     the floor (the last context token alone) is its own prefill, and the gain kept is 1. Guards: the
     target's or the transfer's logits scored one token off (predicting the token they were given), the
     transfer's first prediction (from the handoff) dropped."""
-    from kvt.handoff import next_nll
+    from kvt.harness.diagnose import next_nll
     from kvt.harness.summary import context_gain
     source, target, mapper = exact
     ids, context = PROMPTS, 20

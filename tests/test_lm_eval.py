@@ -220,11 +220,23 @@ def test_bad_model_args_are_one_line(tmp_path, capsys):
         KvtLM(target=str(TOY / "toy-m"), batch_size="auto")
     with pytest.raises(KvtError, match="dtype=auto"):
         KvtLM(target=str(TOY / "toy-m"), dtype="auto")
+    with pytest.raises(KvtError, match="plain=maybe"):
+        KvtLM(target=str(TOY / "toy-m"), plain="maybe")
     with pytest.raises(SystemExit) as e:
         cli(["retention", str(tmp_path), str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("kvt: no results_") and len(err.splitlines()) == 1, err
 
+
+
+def test_plain_reaches_the_condition(monkeypatch):
+    """model_args plain=true (as the harness parses it: a bool) or KVT_PLAIN=1 decode on the plain path;
+    by default the fast one. Guards: the switch parsed and dropped on its way to the condition."""
+    arg = f"target={TOY / 'toy-m'}"
+    assert not KvtLM.create_from_arg_string(arg).cond.plain
+    assert KvtLM.create_from_arg_string(arg + ",plain=true").cond.plain
+    monkeypatch.setenv("KVT_PLAIN", "1")
+    assert KvtLM.create_from_arg_string(arg).cond.plain
 
 # ---- slow: the real checkpoint, and the lowest declared transformers ------------------------------------
 

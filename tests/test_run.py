@@ -126,13 +126,14 @@ def test_recompute_budgets_keep_their_own_records(pair, tmp_path):
 @pytest.mark.parametrize("how", ["--plain", "KVT_PLAIN=1"])
 def test_plain_runs_no_fast_twin(pair, tmp_path, monkeypatch, how):
     """--plain (or KVT_PLAIN=1) runs every step's plain path: calibration, diagnostics, handoff and
-    decoding never reach kvt/fast.py. Guards: the switch dropped on its way to a step (it used to be an
-    environment variable each step read; now it is an argument run passes on)."""
+    decoding never reach a fast twin of kvt/fast.py (its switches, map_cache and generate, take the plain
+    functions). Guards: the switch dropped on its way to a step (it used to be an environment variable
+    each step read; now it is an argument run passes on)."""
     from kvt import fast
 
     def refused(*args, **kw):
         raise AssertionError("a fast twin ran under --plain")
-    for name in ("apply", "add_batch", "attention", "generate", "reserve"):
+    for name in ("apply", "add_batch", "reserve", "Reserved", "one_query_attention"):
         monkeypatch.setattr(fast, name, refused)
     if how == "KVT_PLAIN=1":
         monkeypatch.setenv("KVT_PLAIN", "1")

@@ -1,5 +1,5 @@
 """Every function, class and file tutorial.md names in its prose exists where the tutorial says: a reader who
-opens `rope.strip_cos_sin` or `kvt/fast.py` finds it there. (The tutorial's code blocks are run by
+opens `fast.strip_cos_sin` or `kvt/fast.py` finds it there. (The tutorial's code blocks are run by
 tests/test_tutorial.py; this checks the names around them, which nothing runs.)"""
 import ast
 import dataclasses

@@ -21,7 +21,8 @@ import torch
 import kvt
 from kvt.harness import toy
 from kvt.harness.data import calibration_sequences
-from kvt.handoff import diagnose, gate, handoff
+from kvt.handoff import handoff
+from kvt.harness.diagnose import diagnose, gate
 from kvt.mapper import calibrate, save_mapper
 from kvt.config import KvtError
 from tests.conftest import ROOT, tiny_config

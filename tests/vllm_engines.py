@@ -79,7 +79,7 @@ def main():
     p.add_argument("requests")
     p.add_argument("out")
     p.add_argument("--mapper")
-    p.add_argument("--gate", nargs="*", default=[], help="handoff.gate thresholds, name=value")
+    p.add_argument("--gate", nargs="*", default=[], help="diagnose.gate thresholds, name=value")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prefix-caching", action="store_true", help="start: with vLLM's prefix cache on")

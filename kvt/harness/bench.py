@@ -6,7 +6,7 @@ mapper takes to hand it over from the source's cache. Both are timed in one proc
 For each context length n and each direction (source -> target):
   source prefill   the source's own prefill of n tokens (listed apart: in serving it already happened)
   target prefill   what a model swap costs today: the target re-reads all n tokens
-  transfer         the map of the source's cache of n - 1 tokens (fast.apply; Mapper.apply with
+  transfer         the map of the source's cache of n - 1 tokens (fast.map_cache: fast.apply; Mapper.apply with
                    --plain), then the target runs the last prompt token itself (handoff.take_over)
   speedup          target prefill / transfer (the ratio of their medians)
   per round        the same ratio taken in each round of runs (median, min-max; per_round)
@@ -43,8 +43,7 @@ from tqdm import tqdm
 
 from kvt.config import KvtError, at_least, command, parse_pair, plain_requested, shape
 from kvt.harness.dist import check_devices
-from kvt.fast import apply as fast_apply
-from kvt.fast import keep_freed_memory
+from kvt.fast import keep_freed_memory, map_cache
 from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper, check_pair_weights
 from kvt.model import Transformer
@@ -234,13 +233,11 @@ def transfer_step(target, mapper, cache, ids, n, frac=0.0, plain=False):
 
 
 def map_step(target, mapper, cache, ids, n, plain=False):
-    """The first part of transfer_step alone: the map, as take_over calls it (fast.apply, or plain:
-    Mapper.apply). What is left of the transfer is the target's last-token step, bound by reading its
-    weights, not by FLOPs."""
+    """The first part of transfer_step alone: the map, as take_over calls it (fast.map_cache: fast.apply,
+    or plain: Mapper.apply). What is left of the transfer is the target's last-token step, bound by
+    reading its weights, not by FLOPs."""
     src, devices, dtype = cache.crop(0, n - 1), layer_devices(target), next(target.parameters()).dtype
-    if plain:
-        return mapper.apply(src, devices=devices, dtype=dtype)
-    return fast_apply(mapper, src, devices=devices, dtype=dtype, room=1)
+    return map_cache(mapper, src, devices, dtype, room=1, plain=plain)
 
 
 def roofline_per_round(prefill, transfer, copy, map_share, last_bytes, copy_bytes):
@@ -302,7 +299,7 @@ def bench(small, large, fwd, back=None, lengths=(512, 1024, 2048, 4096), repeats
           fracs=(), both=False, plain=False):
     """Rows of timings (seconds) for small -> large with mapper `fwd`, and large -> small with `back`;
     fracs: recompute budgets to time as well; both: the plain path's transfer too; plain: every step
-    on the plain path (Mapper.apply, model.attend)."""
+    on the plain path (Mapper.apply, Cache.update and Cache.attend)."""
     models = dict(zip(names, (small, large)))
     return bench_lean(models.get, names, fwd, back, lengths, repeats, fracs, both, plain)
 

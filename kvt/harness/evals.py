@@ -43,7 +43,6 @@ from kvt.harness import scoring, tasks
 from kvt.harness.answers import coqa_em, coqa_f1
 from kvt.config import KvtError
 from kvt.handoff import Recompute, handoff
-from kvt.model import generate
 
 
 # ---------------------------------------------------------------------------------- conditions
@@ -54,7 +53,7 @@ class Condition:
     model: object           # scores continuations / generates after the prefill
     prefill: object = None  # (ids (B, T)[, mask (B, T)]) -> (last logits (B, V), cache); None: the model's own
     floor: bool = False     # prefill the item's minimal prefix instead of its context
-    plain: bool = False     # decode with model.generate, not its fast twin (fast.generate)
+    plain: bool = False     # fast.generate's: decode with model.generate, not its fast twin
 
     def __call__(self, ids, mask=None):
         return scoring.prefill(self.model, ids, self.prefill, mask)  # (B, V), cache
@@ -66,8 +65,8 @@ class Condition:
         return getattr(self.prefill, "batched", True)
 
     def generate(self, logits, cache, max_new_tokens, **kw):
-        """Greedy decoding by this condition's model from a prefilled state (model.generate)."""
-        return (generate if self.plain else fast.generate)(self.model, logits, cache, max_new_tokens, **kw)
+        """Greedy decoding by this condition's model from a prefilled state (fast.generate)."""
+        return fast.generate(self.model, logits, cache, max_new_tokens, plain=self.plain, **kw)
 
 
 def transfer(source, target, mapper, recompute=Recompute(), plain=False):

@@ -217,7 +217,7 @@ def gate_evidence(results, good_at=0.9):
     and how often a gate fitted on the other pairs calls a left-out pair right (retention >= good_at).
     Only one_per_map(results) count. Returns (rows, correlations {diagnostic: (r, rho)}, thresholds fitted
     on all, leave-one-out agreements)."""
-    from kvt.handoff import fit_gate, gate
+    from kvt.harness.diagnose import fit_gate, gate
     results = one_per_map(results)
     rows = [{"pair": r.get("run", "") + " -> ".join(r["pair"]) + f" ({r['settings']['scope']}, {r['settings']['mapper']})",
              "r2": (r["diagnostics"]["r2_k_mean"] + r["diagnostics"]["r2_v_mean"]) / 2,

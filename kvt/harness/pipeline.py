@@ -22,7 +22,7 @@ each a function here calling into one kvt stage:
   2. get_mapper: statistics, layer selection, ridge (mapper.calibrate), saved to
      OUT/mapper-<settings>.safetensors and reused when it exists; `--mapper mlp` swaps ridge for the
      paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
-  3. check_mapper: diagnostics on the diagnostics region and the gate (handoff.py);
+  3. check_mapper: diagnostics on the diagnostics region and the gate (harness/diagnose.py);
   4. batch_size, evaluate (evaluate_back: CoQA the other way): every task (tasks.py; --task-file adds the
      user's own) under target / transfer / source / floor (evals.py) on one seeded sample of items, one
      record per item and condition appended to OUT/records-<settings>.jsonl as it is computed, so an
@@ -55,7 +55,8 @@ from kvt.config import (KvtError, at_least, check_matched_kv, checkpoint_name, f
                         plain_requested)
 from kvt.harness.data import calibration_sequences, check_same_tokenizer, heldout_windows
 from kvt.harness.figures import retention_png
-from kvt.handoff import MAX_KL, MIN_ATTN_COS, Recompute, diagnose, format_diagnostics, gate, next_nll
+from kvt.harness.diagnose import MAX_KL, MIN_ATTN_COS, diagnose, format_diagnostics, gate, next_nll
+from kvt.handoff import Recompute
 from kvt.mapper import FORMAT as MAPPER_FORMAT
 from kvt.mapper import add_mlp, calibrate, check_pair_weights, load_mapper, save_mapper
 from kvt.loading import check_weights, layer_devices

@@ -91,8 +91,8 @@ def transfer(source, target, mapper, input_ids, attention_mask=None, plain=False
     attention_mask (B, T), 0 = left padding, or None. Returns generate()'s keyword arguments:
     {CACHE: DynamicCache of T - 1 slots, "attention_mask": (B, T) long}, so
     target.generate(input_ids, **state, ...) runs input_ids[:, -1] on the mapped cache and gives the
-    tokens kvt's handoff + kvt.generate give. The cache is used once: generate appends to it. plain: map
-    with Mapper.apply rather than its fast twin (fast.apply)."""
+    tokens kvt's handoff + kvt.generate give. The cache is used once: generate appends to it. plain:
+    fast.map_cache's (Mapper.apply rather than its fast twin)."""
     if not isinstance(mapper, Mapper):
         raise KvtError(f"mapper must be a kvt Mapper (kvt.mapper.calibrate or load_mapper), not {type(mapper).__name__}")
     check_pair(source, target, mapper)
@@ -113,6 +113,5 @@ def transfer(source, target, mapper, input_ids, attention_mask=None, plain=False
                  position_ids=pos[:, :-1].to(source.device))
     src_cache = to_kvt(getattr(src, CACHE), pos[:, :-1].to(source.device), mask[:, :-1].to(source.device))  # T - 1 slots
     devices = [next(layer.parameters()).device for layer in target.get_decoder().layers]  # each layer's cache there
-    mapped = (mapper.apply(src_cache, devices=devices, dtype=target.dtype) if plain else
-              fast.apply(mapper, src_cache, devices=devices, dtype=target.dtype))
+    mapped = fast.map_cache(mapper, src_cache, devices, target.dtype, plain=plain)
     return {CACHE: to_hf(mapped), **state}

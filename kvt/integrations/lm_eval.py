@@ -25,6 +25,7 @@ model_args (comma-separated key=value, as for any harness model):
     calib, calib_seqs, calib_len, data_dir   that calibration's text (a file or folder), size and data folder
                      (kvt run's --calib, --calib-seqs, --calib-len, --data-dir)
     dtype, device, max_length   as the harness's hf model's; the batch size is the harness's --batch_size
+    plain            true: every step's plain path (kvt run's --plain; KVT_PLAIN=1 in the environment too)
 How each request is answered, with kvt's own scoring (kvt/harness/scoring.py, kvt/harness/evals.py):
     loglikelihood          (context, continuation) pairs with one context are scored from one prefill of
                            it (batch_size continuations at a time), tokenized as the harness does
@@ -49,7 +50,7 @@ from tqdm import tqdm
 
 import kvt
 from kvt.harness import dist, evals, pipeline, scoring, tasks
-from kvt.config import KvtError, find_weights, load_config, parse_pair
+from kvt.config import KvtError, find_weights, load_config, parse_pair, plain_requested
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
 from kvt.mapper import check_pair_weights, load_mapper
@@ -83,12 +84,13 @@ def model_arg(key, value, kind=int, least=None, most=None):
 
 
 def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, calib_seqs=None, calib_len=None,
-               data_dir=None):
+               data_dir=None, plain=False):
     """The mapper `kvt run --source SRC --target TGT --out OUT` makes with its defaults: reused from OUT
-    when it is there, else calibrated and saved there (pipeline.get_mapper)."""
+    when it is there, else calibrated and saved there (pipeline.get_mapper; plain: --plain's)."""
     s = pipeline.Settings(source=Path(src_dir), target=Path(tgt_dir), out=Path(out),   # the run's defaults, for a pair
                           calib=[Path(calib)] if calib else None, calib_seqs=calib_seqs or None,
-                          calib_len=calib_len or None, **({"data_dir": Path(data_dir)} if data_dir else {}))
+                          calib_len=calib_len or None, plain=plain,
+                          **({"data_dir": Path(data_dir)} if data_dir else {}))
     seqs = calibration_sequences(s.calib, tok, s.calib_seqs, s.calib_len, seed=s.seed,
                                  documents=pipeline.toy_calibration_text(s))
     skey = pipeline.stats_key(s, Path(src_dir), Path(tgt_dir), seqs)
@@ -104,7 +106,8 @@ class KvtLM(LM):
     def __init__(self, source=None, target=None, pair=None, weights=None, condition="target", mapper=None, out=None,
                  recompute_last=0, recompute_first=0, recompute_frac=0.0, recompute_by="attention",
                  calib=None, calib_seqs=None, calib_len=None, data_dir=None, dtype=None, device=None, batch_size=1,
-                 max_length=None, rolling_context=1, max_batch_size=None):  # max_batch_size: the harness's, unused
+                 max_length=None, rolling_context=1, plain=False,
+                 max_batch_size=None):  # max_batch_size: the harness's, unused
         super().__init__()
         if condition not in CONDITIONS:
             raise KvtError(f"condition={condition}: use one of {', '.join(CONDITIONS)}")
@@ -140,6 +143,9 @@ class KvtLM(LM):
         if batch_size < 1:
             raise KvtError(f"batch_size {batch_size}: must be at least 1")
         rolling_context = model_arg("rolling_context", rolling_context, int, 1)
+        if plain not in (True, False):                           # the harness reads true/false as bools (1/0: ints)
+            raise KvtError(f"model_args plain={plain}: give true or false")
+        plain = bool(plain) or plain_requested()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dist.check_devices([device])
         dtype = dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
@@ -151,9 +157,9 @@ class KvtLM(LM):
         self.tok = kvt.load_tokenizer(target if condition != "source" else source)
         load = lambda d: kvt.load_model(d, dtype, device=device)  # noqa: E731
         if condition == "target":
-            self.cond = evals.Condition(load(target))
+            self.cond = evals.Condition(load(target), plain=plain)
         elif condition == "source":
-            self.cond = evals.Condition(load(source))
+            self.cond = evals.Condition(load(source), plain=plain)
         else:
             check_same_tokenizer(kvt.load_tokenizer(source), self.tok)
             src_model, tgt_model = load(source), load(target)
@@ -163,10 +169,10 @@ class KvtLM(LM):
             else:
                 out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
                 m = mapper_for(source, target, src_model, tgt_model, self.tok, out, dtype, calib, calib_seqs,
-                               calib_len, data_dir)
+                               calib_len, data_dir, plain)
             m = m.to(dtype=dtype).place(layer_devices(tgt_model))
             budget = Recompute(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by)
-            self.cond = evals.Condition(tgt_model, evals.transfer(src_model, tgt_model, m, budget))
+            self.cond = evals.Condition(tgt_model, evals.transfer(src_model, tgt_model, m, budget, plain), plain=plain)
         self.max_length = max_length or limit
 
     @classmethod

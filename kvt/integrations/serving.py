@@ -10,16 +10,17 @@
     out[0].kv_transfer_params["kvt"]    # {"loaded": T - 1} or {"fallback": why}
 
 The protocol is kvt's handoff (handoff.py): for a prompt of T tokens, the connector reports the first T - 1
-as loadable (get_num_new_matched_tokens), maps the source's KV of those slots with fast.apply (or
-Mapper.apply under KVT_PLAIN=1 or the extra config's "plain": true) and writes it into the target's paged KV buffers for the request's blocks
-(start_load_kv); vLLM then runs the last prompt token on it, as kvt's take_over does.
+as loadable (get_num_new_matched_tokens), maps the source's KV of those slots with fast.map_cache (its plain
+path, Mapper.apply, under KVT_PLAIN=1 or the extra config's "plain": true) and writes it into the target's
+paged KV buffers for the request's blocks (start_load_kv); vLLM then runs the last prompt token on it, as
+kvt's take_over does.
 
 Approximate KV is never served as exact: the target engine must run with enable_prefix_caching=False
 (vLLM would otherwise commit the mapped blocks to its prefix cache under the prompt's exact block hashes,
 for any later request with that prefix); the connector refuses to start otherwise. A request falls back to
 the target's own prefill, and says so in its output's kv_transfer_params["kvt"], when its KV file is
 missing or unreadable, was saved by another model than the mapper's source or with another tokenizer, holds
-other tokens than its prompt, or the mapper's gate verdict (handoff.gate on its stored diagnostics) is not
+other tokens than its prompt, or the mapper's gate verdict (diagnose.gate on its stored diagnostics) is not
 "fit". A load that fails on the worker reports the request's blocks (get_block_ids_with_load_errors), and
 vLLM recomputes them (kv_load_failure_policy="recompute", set by connector_config).
 
@@ -37,7 +38,7 @@ from safetensors import SafetensorError
 from kvt import fast
 from kvt.cache import Cache, kv_header, load_kv, save_kv
 from kvt.config import KvtError, load_config, plain_requested
-from kvt.handoff import gate
+from kvt.harness.diagnose import gate
 from kvt.mapper import load_mapper
 from kvt.tokenizer import load_tokenizer
 
@@ -56,7 +57,7 @@ log = init_logger(__name__)
 
 def connector_config(mapper=None, role="kv_consumer", **gate_thresholds):
     """KVTransferConfig's keyword arguments for kvt's connector: a target engine (role kv_consumer) with
-    the mapper file, or a source engine (kv_producer, no mapper). gate_thresholds: handoff.gate's
+    the mapper file, or a source engine (kv_producer, no mapper). gate_thresholds: diagnose.gate's
     min_attn_cos, max_kl, min_r2, to override its defaults."""
     extra = {"mapper": str(mapper)} if mapper else {}
     if gate_thresholds:
@@ -238,8 +239,7 @@ class KvtConnector(KVConnectorBase_V1):
         """Map the file's first n slots to this engine's model and write them into the request's blocks."""
         src = load_kv(load.path, load.n)                                     # L_src x (1, Hkv_s, n, D_s)
         kv0 = self.kv_caches[0]
-        mapped = (self.mapper.apply(src, dtype=kv0.dtype) if self.plain else
-                  fast.apply(self.mapper, src, dtype=kv0.dtype))                # L x (1, Hkv, n, D)
+        mapped = fast.map_cache(self.mapper, src, dtype=kv0.dtype, plain=self.plain)  # L x (1, Hkv, n, D)
         block, offset = slots(load.block_ids, load.n, self.block_size)
         for l, kv in sorted(self.kv_caches.items()):
             keys, values = paged_view(kv, self.block_size)

@@ -50,7 +50,7 @@ from kvt.capture import layer_features
 from kvt.config import Config, KvtError
 from kvt.harness.data import calibration_sequences
 
-KVT = Path(__file__).resolve().parent   # the package, copied into every assignment
+KVT = Path(__file__).resolve().parents[1]   # the package, copied into every assignment
 ROOT = KVT.parent                       # the working copy: tutorial.md, run.py, weights/toy-*
 f64 = torch.float64
 
@@ -612,11 +612,11 @@ SHAPE = re.compile(r"\((B|G|N|T|n|H|Hkv|L|Ls|Lt), ")  # a shape comment: "# (B, 
 # Other kvt code that computes a graded function's answer: in the student copy its body is replaced by one
 # that calls the graded functions, so it works exactly when they do (and shows nothing of how).
 GIVEAWAYS = {
-    "rope": {"rope.strip_cos_sin": """\
+    "rope": {"fast.strip_cos_sin": """\
     pos = pos if pos.dim() == 2 else pos[None]                   # (student copy: routed through rope.strip,
     B, T, half = pos.shape[0], pos.shape[1], inv_freq.shape[0]   # which you write)
     e = torch.cat([torch.ones(half), torch.zeros(half)]).to(dtype).expand(B, 1, T, 2 * half)  # (B, 1, T, D)
-    y = strip(e, pos, inv_freq, scale)                            # (B, 1, T, D): [cos, -sin] / scale
+    y = rope.strip(e, pos, inv_freq, scale)                       # (B, 1, T, D): [cos, -sin] / scale
     return y[..., :half].repeat(1, 1, 1, 2), y[..., half:].repeat(1, 1, 1, 2)
 """},
 }
@@ -744,7 +744,7 @@ def make(name, out, grader=None, solution=False):
                              for k, v in outputs.items()})
         save_file(expected, key / "expected.safetensors")
         (key / "expected.safetensors").chmod(0o644)              # safetensors writes it 0o600
-        shutil.copy(KVT / "course.py", key / "course.py")        # the checks the test runs, out of the student's hands
+        shutil.copy(KVT / "teach" / "course.py", key / "course.py")        # the checks the test runs, out of the student's hands
         (key / f"test_{name}.py").write_text(TEST.format(name=name))
         info = json.dumps({"assignment": name, "solution": solution, "kvt_version": kvt.__version__,
                            "sha256": grader_hashes(key)}) + "\n"
@@ -752,7 +752,7 @@ def make(name, out, grader=None, solution=False):
         (key / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")  # stops pytest's search here
         (student / "README.md").write_text(readme(name, solution))
         cut = 'raise KvtError("the exercises\' answers are for instructors: run it from kvt\'s own working copy")\n'
-        (student / "kvt" / "course.py").write_text(stub((KVT / "course.py").read_text(), [],
+        (student / "kvt" / "teach" / "course.py").write_text(stub((KVT / "teach" / "course.py").read_text(), [],
                                                         {f"course.{fn.__name__}": "    " + cut for fn in ANSWER_CODE}))
         for t, folder in zip(tmp, (out, grader)):
             if folder.exists():
