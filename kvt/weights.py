@@ -101,11 +101,10 @@ def weights_fingerprint(named):
     from it (model_fingerprint), kvt's or transformers'. Tensors in the order of their decoder-relative
     names; of each matrix every row at its 8 middle columns, 1-D ones whole: an edit of one row changes
     the id, and a check reads a few values a row (SmolLM2-135M: 1.7M, 30 ms on a CPU core; Qwen3-14B
-    shapes: 18M, 0.7 s).
-    Values are hashed rounded to bfloat16, with magnitudes below float16's smallest normal as 0: a bf16
-    checkpoint gives one id loaded in float32, bfloat16 or float16, a float32 one in float32 or bfloat16
-    (float16 rounds it differently). Two trainings of one config (a base and its instruct model, a
-    fine-tune, a function-preserving twin) get different ids."""
+    shapes: 18M, 0.7 s). Values are hashed rounded to bfloat16, with magnitudes below float16's smallest
+    normal as 0: a bf16 checkpoint gives one id loaded in float32, bfloat16 or float16, a float32 one in
+    float32 or bfloat16 (float16 rounds it differently). Two trainings of one config (a base and its
+    instruct model, a fine-tune, a function-preserving twin) get different ids."""
     h = hashlib.sha256()
     for key, name in sorted((k, n) for n in named if (k := _decoder_name(n)) is not None):
         t = named[name]
