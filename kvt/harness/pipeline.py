@@ -621,19 +621,23 @@ def measure_context_gain(s, source, target, mapper, tok):
                 print(f"context gain: {c} + {next_n} tokens exceed the models' {limit}; skipped")
                 continue
             ids = heldout_windows(name, tok, s.nll_windows, c + next_n, documents=docs)
-            row = context_gain(next_nll(source, target, mapper, ids, c, plain=s.plain), seed=s.seed)
+            nll = next_nll(source, target, mapper, ids, c, plain=s.plain)
+            row = context_gain(nll, vocab_size=target.config.vocab_size, seed=s.seed)
             rows.append({"text": name, "context": c, "next": next_n, **row})
     return rows
 
 
 def format_context_gain(rows):
+    """The context-gain table of report.md; where the target gains nothing from context (summary.context_gain's
+    no_ratio), that sentence stands in the last column instead of a ratio."""
     lines = ["| held-out text | context | next | windows | NLL target | NLL transfer | NLL floor | context gain kept |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["gain_ci"]
         ci = f" [{pct(lo)}, {pct(hi)}]" if lo is not None else ""
+        kept = f"no ratio: {r['no_ratio']}" if r.get("no_ratio") else f"{pct(r['gain'])}%{ci}"
         lines.append(f"| {r['text']} | {r['context']} | {r['next']} | {r['windows']} | {r['nll']['target']:.4f} | "
-                     f"{r['nll']['transfer']:.4f} | {r['nll']['floor']:.4f} | {pct(r['gain'])}%{ci} |")
+                     f"{r['nll']['transfer']:.4f} | {r['nll']['floor']:.4f} | {kept} |")
     return "\n".join(lines)
 
 
