@@ -37,7 +37,7 @@ from kvt.capture import capture, features, layer_features, unfeatures
 from kvt.config import Config, KvtError, check_matched_kv, matched_kv
 from kvt.harness.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
 from kvt.stats import KINDS, SAVE_S, accumulate, add_batch, candidate_layers, groups, new_stats
-from kvt.weights import model_fingerprint
+from kvt.weights import comparable, model_fingerprint
 
 
 @dataclass
@@ -462,9 +462,12 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
     if tokenizer and meta["tokenizer"] and tokenizer != meta["tokenizer"]:
         raise KvtError(f"mapper {path} was fitted with another tokenizer ({meta['tokenizer']}, this one "
                        f"{tokenizer}); recalibrate for this pair")
-    if not {"src_weights", "tgt_weights"} <= json.loads(meta["meta"]).keys():
-        print(f"warning: mapper {path} records no fingerprint of its pair's weights (an older kvt made it), so "
-              "they cannot be checked; calibrate again to have them checked", file=sys.stderr)
+    recorded = [json.loads(meta["meta"]).get(entry) for entry in ("src_weights", "tgt_weights")]
+    if not all(map(comparable, recorded)):
+        what = ("no fingerprint of its pair's weights (an older kvt made it)" if None in recorded else
+                "an older fingerprint of its pair's weights (kvt 0.2.0's, of 4 rows a tensor)")
+        print(f"warning: mapper {path} records {what}, so they cannot be checked; calibrate again to have "
+              "them checked", file=sys.stderr)
     made_from = json.loads(meta["meta"]).get("key")
     if key is not None and made_from != key:
         raise KvtError(f"mapper {path} was made from other weights, data or settings ({made_from}, not {key}); "
@@ -490,11 +493,11 @@ def check_pair_weights(mapper, source, target, name="the mapper"):
     """Refuse, in one line naming the side, models whose weights are not those the mapper was fitted on:
     one config fits a base and its instruct model, a model and its fine-tune, a function-preserving twin,
     and the configs' fingerprints tell none of them apart. source, target: kvt or transformers models
-    (None: not checked). A mapper that records no fingerprints (an older file) is not checked here;
-    load_mapper said so when it read it."""
+    (None: not checked). A mapper that records no fingerprints, or an older scheme's (an older file), is
+    not checked here; load_mapper said so when it read it."""
     for side, model, entry in (("source", source, "src_weights"), ("target", target, "tgt_weights")):
         made = mapper.meta.get(entry)
-        if model is None or made is None:
+        if model is None or not comparable(made):
             continue
         have = model_fingerprint(model)
         if have != made:

@@ -47,7 +47,8 @@ def table(out):
         r = json.loads(f.read_text())
         pair, fit = f.parent.name.rsplit("-", 1) if not f.parent.name.endswith("head-attn") else \
             (f.parent.name[:-len("-head-attn")], "head-attn")
-        gains = "; ".join(f"{g['text']} {g['context']}: {pct(g['gain'])} [{pct(g['gain_ci'][0])}, {pct(g['gain_ci'][1])}]"
+        gains = "; ".join(f"{g['text']} {g['context']}: " + ("no ratio" if g.get("no_ratio") else
+                                                             f"{pct(g['gain'])} [{pct(g['gain_ci'][0])}, {pct(g['gain_ci'][1])}]")
                           for g in r.get("context_gain", []))
         avg = r.get("average_retention") or {}
         fn = avg.get("floor_normalized")

@@ -204,3 +204,29 @@ def test_heldout_text_that_is_calibration_text_is_refused(tmp_path):
         heldout_texts(args)
     args.calib = [tmp_path / "valid.txt"]
     assert heldout_texts(args)[0][0] == "test.txt"
+
+
+def test_heldout_takes_a_text_file_whatever_its_name_and_names_its_option(tmp_path):
+    """A --heldout file without a .txt extension was refused as "no .txt, .jsonl or .json files ...; point
+    the calibration corpus at text files": a message about another option, and a refusal of plain text.
+    A file named on its own is text whatever its name (for --calib too); what is refused names the option
+    the path came from, and the refusal comes before calibration (heldout_texts reads the text)."""
+    import argparse
+    from kvt.harness.pipeline import heldout_texts
+    (tmp_path / "book").write_text("A plain text with no extension. " * 40)
+    (tmp_path / "notes.md").write_text("Markdown is text too. " * 40)
+    args = argparse.Namespace(heldout=[str(tmp_path / "book"), str(tmp_path / "notes.md")], calib=[tmp_path / "c"])
+    (name, docs), (_, md) = heldout_texts(args)
+    assert name == "book" and docs == ["A plain text with no extension. " * 40] and md[0].startswith("Markdown")
+    assert read_documents(tmp_path / "book") == docs                              # --calib reads it too
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model.bin").write_bytes(b"\x08\x00\x00\x00{}" + bytes(range(256)))
+    for path, words in ((tmp_path / "empty", "point --heldout at text files"), (tmp_path / "model.bin", "is not text"),
+                        (tmp_path / "nope", "does not exist")):
+        args.heldout = [str(path)]
+        with pytest.raises(KvtError) as e:
+            heldout_texts(args)
+        msg = str(e.value)
+        assert msg.startswith(f"--heldout {path}") and words in msg and "calibration" not in msg, msg
+    with pytest.raises(KvtError, match=r"^--calib .*empty: no .txt, .jsonl or .json files .*point --calib at text"):
+        calibration_sequences(tmp_path / "empty", Chars(), n=2, length=100)

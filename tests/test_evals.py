@@ -479,3 +479,37 @@ def test_context_gain_is_the_share_of_the_floors_nll_the_transfer_takes_off():
     assert lo < got["gain"] < hi and got["gain_ci"] == context_gain(nll, n_boot=200, seed=3)["gain_ci"]
     assert got["gain_ci"] != context_gain(nll, n_boot=200, seed=4)["gain_ci"], "the seed must reach the bootstrap"
     assert abs(got["nll"]["floor"] - floor.mean().item()) < 1e-12 and got["windows"] == 12
+
+
+def test_context_gain_is_no_ratio_where_the_target_gains_nothing_from_context():
+    """Guards a ratio over the target's own noise: the toy pair scored on English text (NLL about 20 nats,
+    worse than uniform over its 640 tokens, 6.5) reported -332% [-675, -202] and 1,240% [-11,625, 11,700].
+    Where the target gains from context above its noise and models the text, the ratio is printed; where
+    the interval of floor - target reaches 0, or the target is worse than uniform, report.md and
+    results.json say so instead (gain None)."""
+    import json
+    from kvt.harness.pipeline import format_context_gain, strict
+    from kvt.harness.summary import context_gain
+    g = torch.Generator().manual_seed(0)
+
+    def noise(scale=1.0):
+        return scale * torch.rand(16, generator=g, dtype=torch.float64)
+    target = 2 + noise()
+    learns = {"floor": target + 1 + noise(), "transfer": target + 0.5 + noise(0.1), "target": target}
+    no_gain = {"floor": target + noise(0.2) - 0.1, "transfer": target + 3 * noise(0.2), "target": target}
+    lost = {c: 18 + x for c, x in learns.items()}                     # gains a nat from context, but at 19-21 nats
+    rows = [{"text": name, "context": 128, "next": 64, **context_gain(nll, vocab_size=640, n_boot=200)}
+            for name, nll in (("learns", learns), ("no gain", no_gain), ("lost", lost))]
+    kept, noisy, far = rows
+    assert kept["no_ratio"] is None and 0 < kept["gain"] < 1 and kept["target_gain_ci"][0] > 0, kept
+    assert noisy["gain"] is None and noisy["gain_ci"] == (None, None) and noisy["target_gain_ci"][0] <= 0, noisy
+    assert "not above its noise" in noisy["no_ratio"], noisy["no_ratio"]
+    assert far["gain"] is None and "cannot model this text" in far["no_ratio"] and "(6.46)" in far["no_ratio"], far
+    assert context_gain(lost)["gain"] is not None, "without a vocabulary only the noise is checked"
+    table = format_context_gain(rows).splitlines()[2:]
+    assert table[0].endswith(f"| {100 * kept['gain']:.1f}% [{100 * kept['gain_ci'][0]:.1f}, "
+                             f"{100 * kept['gain_ci'][1]:.1f}] |"), table[0]
+    for line, row in zip(table[1:], rows[1:]):
+        assert line.endswith(f"| no ratio: {row['no_ratio']} |") and "%" not in line, line
+    results = json.loads(json.dumps(strict({"context_gain": rows})))["context_gain"]
+    assert [r["gain"] is None for r in results] == [False, True, True] and results[2]["no_ratio"] == far["no_ratio"]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import kvt
 from kvt.config import KvtError
 from kvt.mapper import calibrate, check_pair_weights, load_mapper, save_mapper
-from kvt.weights import folder_fingerprint, model_fingerprint, write_safetensors
+from kvt.weights import SAMPLE_COLS, fingerprint, folder_fingerprint, model_fingerprint, write_safetensors
 from tests.conftest import ROOT, calib_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,7 +65,7 @@ def test_a_bf16_checkpoint_matches_in_float16_too(tiny_pair, tmp_path):
     model = kvt.load_model(tiny_pair / "source", torch.bfloat16)
     with torch.no_grad():
         w = model.model.layers[0].self_attn.k_proj.weight                # row 0, first middle column: sampled
-        w[0, (w.shape[1] - 16) // 2] = 3e-8
+        w[0, (w.shape[1] - SAMPLE_COLS) // 2] = 3e-8
     kvt.save_model(model, tmp_path / "bf16")
     want = folder_fingerprint(tmp_path / "bf16")
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
@@ -82,16 +82,45 @@ def test_the_fingerprint_sees_one_changed_value_and_not_the_head(tiny_pair, tmp_
         model.model.norm.weight.mul_(2)
         assert model_fingerprint(model) == before
         w = model.model.layers[1].self_attn.k_proj.weight          # (Hkv*D, C): row 0 and the middle columns
-        c = (w.shape[1] - 16) // 2
+        c = (w.shape[1] - SAMPLE_COLS) // 2
         w[0, c] *= 1.01
     assert model_fingerprint(model) != before
 
 
-def test_the_fingerprint_reads_a_few_values_of_a_large_checkpoint(monkeypatch, tiny_pair):
-    """Guards a fingerprint that reads whole tensors (a 32B checkpoint would be read in full): every read
-    is a slice of at most 16 values."""
+def test_one_edited_row_of_any_tensor_is_refused(fitted, tiny_pair, tmp_path):
+    """Guards a fingerprint that samples a few rows of each tensor (4 of them, once): replacing one other
+    row (toy-m's embedding row 20, in the report) left both fingerprints as they were, and run.py reused
+    the mapper fitted on the original weights. Here every row of the embedding, then one row of every
+    other decoder tensor, is replaced in turn: the model's id changes each time, and the edited source
+    is refused by the mapper; saved, its folder's id and its files' id (run.py's key) change too."""
+    s, t, mapper, _ = fitted
+    model = kvt.load_model(tiny_pair / "source")
+    before = model_fingerprint(model)
+    edits = [("model.embed_tokens.weight", r) for r in range(model.config.vocab_size)]
+    edits += [(n, p.shape[0] // 2) for n, p in model.named_parameters() if n.startswith("model.layers.")]
+    with torch.no_grad():
+        for name, row in edits:
+            p = model.get_parameter(name)
+            old = p[row].clone()
+            p[row] = torch.randn(p[row].shape, generator=torch.Generator().manual_seed(row))
+            assert model_fingerprint(model) != before, f"{name} row {row}"
+            p[row] = old
+        assert model_fingerprint(model) == before
+        model.model.embed_tokens.weight[20] += 0.5
+    with pytest.raises(KvtError, match=r"^the mapper was fitted on other source weights"):
+        check_pair_weights(mapper, model, t)
+    kvt.save_model(model, tmp_path / "edited")
+    assert folder_fingerprint(tmp_path / "edited") == model_fingerprint(model) != folder_fingerprint(tiny_pair / "source")
+    assert fingerprint(tmp_path / "edited") != fingerprint(tiny_pair / "source")
+
+
+def test_the_fingerprint_reads_eight_values_a_row_a_block_at_a_time(monkeypatch, tiny_pair):
+    """Guards a fingerprint that reads whole tensors from a checkpoint (a 32B one would be read into
+    memory whole) or whose id depends on how its rows are blocked: every read is at most SAMPLE_COLS
+    columns (or a 1-D tensor) and ROW_BLOCK values, and blocks of 5 rows give the id of whole tensors."""
     from kvt import weights
-    sizes = []
+    want = weights.folder_fingerprint(tiny_pair / "source")
+    shapes = []
     real = weights.weights_fingerprint
 
     def spy(named):
@@ -104,12 +133,14 @@ def test_the_fingerprint_reads_a_few_values_of_a_large_checkpoint(monkeypatch, t
 
             def __getitem__(self, i):
                 x = self.s[i]
-                sizes.append(x.numel())
+                shapes.append(tuple(x.shape))
                 return x
         return real({n: Slice(s) for n, s in named.items()})
     monkeypatch.setattr(weights, "weights_fingerprint", spy)
-    weights.folder_fingerprint(tiny_pair / "source")
-    assert sizes and max(sizes) <= 16, max(sizes)
+    monkeypatch.setattr(weights, "ROW_BLOCK", 5 * 96)                         # 5 rows of width 96 a read
+    assert weights.folder_fingerprint(tiny_pair / "source") == want
+    matrices = [x for x in shapes if len(x) == 2]
+    assert matrices and all(r <= 5 and c == SAMPLE_COLS for r, c in matrices), set(matrices)
 
 
 def test_the_mapper_records_its_pairs_weights(fitted):
@@ -189,19 +220,26 @@ def test_pipeline_checks_a_reused_mapper_against_the_models(fitted, tmp_path):
         pipeline.get_mapper(args, t, s, tok, None, tmp_path, skey, torch.float32)
 
 
-def test_an_older_mapper_loads_with_one_warning(fitted, tmp_path, capsys):
-    """A mapper file from before weights fingerprints loads, with one line saying its weights cannot be
-    checked, and is then not checked. Guards refusing every older file, or loading it silently."""
+@pytest.mark.parametrize("older", ["no fingerprints", "4-row fingerprints"])
+def test_an_older_mapper_loads_with_one_warning(fitted, tmp_path, capsys, older):
+    """A mapper file from before weights fingerprints, or from before they saw every row (unprefixed, 4
+    rows of each tensor: they differ for the very weights they were taken of), loads with one line saying
+    its weights cannot be checked, and is then not checked. Guards refusing every older file as fitted on
+    "other weights", or loading it silently."""
     s, t, _, path = fitted
     t_ = load_file(str(path))
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
     inner = {k: v for k, v in json.loads(meta["meta"]).items() if k not in ("src_weights", "tgt_weights")}
+    if older == "4-row fingerprints":
+        inner |= {"src_weights": "fd237113d9c5a28e", "tgt_weights": "08e229d748a6c3b1"}
     write_safetensors(t_, tmp_path / "old.safetensors", {**meta, "meta": json.dumps(inner)})
     capsys.readouterr()
     old = load_mapper(tmp_path / "old.safetensors")
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: mapper") and "cannot be checked" in err[0], err
-    check_pair_weights(old, t, s)                                               # nothing to check against
+    assert ("older fingerprint" in err[0]) == (older == "4-row fingerprints"), err
+    check_pair_weights(old, s, t)                                               # nothing to check against
+    check_pair_weights(old, t, s)
     load_mapper(path)
     assert not capsys.readouterr().err, "a mapper with fingerprints warned"

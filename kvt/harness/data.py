@@ -5,11 +5,12 @@
     calib.val    (50, 1024)   validation: layer selection, the ridge lambda, MLP early stopping
     calib.diag   (25, 1024)   diagnostics and the gate only: no choice ever sees them
 
-How. Files are read into documents: a .txt file is one document, except that WikiText's article
+How. Files are read into documents: a text file is one document, except that WikiText's article
 headings (" = Title = ") start a new one and a Project Gutenberg book keeps only the text between its
 "*** START OF" and "*** END OF" lines; a .jsonl holds one document per line (field "text"); a .json
-is a list of records ("text", or CodeAlpaca's instruction / input / output). A folder is read in
-sorted name order, skipping README/SOURCES/LICENSE files. The documents are shuffled with the seed and
+is a list of records ("text", or CodeAlpaca's instruction / input / output). A file named on its own
+is text whatever its name; a folder is read in sorted name order, its .txt, .jsonl and .json files,
+skipping README/SOURCES/LICENSE files. The documents are shuffled with the seed and
 dealt out whole: diagnostics take documents until they hold enough tokens, then validation, and fit
 gets every document left, so no document is shared by two regions. Within a region the documents are
 joined ("\n\n") into one token stream, cut into consecutive windows, and the windows used are a seeded
@@ -66,26 +67,35 @@ def split_text(text):
     return [text[a:b] for a, b in zip([0] + starts, starts + [len(text)])]
 
 
-def read_documents(paths_or_dir):
-    """A list of document strings from files or folders (see the module docstring)."""
+def read_documents(paths_or_dir, option="--calib"):
+    """A list of document strings from files or folders (see the module docstring). A file named on its
+    own is read as text whatever its name (a .jsonl or .json one as records); in a folder only .txt,
+    .jsonl and .json files count. option: where the paths came from, for the messages (--heldout)."""
     paths = [paths_or_dir] if isinstance(paths_or_dir, (str, Path)) else list(paths_or_dir)
     files = []
     for p in map(Path, paths):
         if not p.exists():
-            raise KvtError(f"calibration data {p} does not exist; pass a .txt/.jsonl/.json file or a folder of them")
-        found = sorted(p.iterdir()) if p.is_dir() else [p]
-        files += [f for f in found if f.suffix in (".txt", ".jsonl", ".json") and not f.name.startswith(SKIP)]
-    if not files:
-        raise KvtError(f"no .txt, .jsonl or .json files in {paths_or_dir}; point the calibration corpus at text files")
+            raise KvtError(f"{option} {p} does not exist; pass a text file (.jsonl, .json: records) or a folder "
+                           "of them")
+        if not p.is_dir():
+            files.append(p)
+            continue
+        found = [f for f in sorted(p.iterdir()) if f.suffix in (".txt", ".jsonl", ".json") and not f.name.startswith(SKIP)]
+        if not found:
+            raise KvtError(f"{option} {p}: no .txt, .jsonl or .json files in this folder; point {option} at text files")
+        files += found
     docs = []
     for f in files:
-        if f.suffix == ".txt":
-            docs += split_text(f.read_text(encoding="utf-8", errors="replace"))
-        elif f.suffix == ".jsonl":
+        if f.suffix == ".jsonl":
             lines = f.read_text(encoding="utf-8").splitlines()
             docs += [_record_text(json.loads(line), f) for line in lines if line.strip()]
-        else:
+        elif f.suffix == ".json":
             docs += [_record_text(r, f) for r in json.loads(f.read_text(encoding="utf-8"))]
+        else:
+            text = f.read_text(encoding="utf-8", errors="replace")
+            if "\0" in text:
+                raise KvtError(f"{option} {f} is not text (it holds NUL bytes); pass a text file")
+            docs += split_text(text)
     return [d for d in docs if d.strip()]
 
 
@@ -187,7 +197,7 @@ def heldout_windows(paths_or_dir, tokenizer, count, length, documents=None):
     """`count` windows (count, length) of token ids from held-out text (files, or `documents`, a list of
     strings), the documents' ids joined end to end, the windows evenly spaced and never overlapping;
     fewer when the text holds fewer. For the context-gain measure (handoff.next_nll)."""
-    docs = documents if documents is not None else read_documents(paths_or_dir)
+    docs = documents if documents is not None else read_documents(paths_or_dir, option="--heldout")
     ids = [i for d in docs for i in tokenizer.encode(d)]
     slots = len(ids) // length
     if slots < 1:

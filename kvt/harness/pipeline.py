@@ -53,7 +53,7 @@ from kvt import fast, ridge
 from kvt.harness.bench import bench, format_rows, hardware, random_mapper
 from kvt.config import (KvtError, at_least, check_matched_kv, checkpoint_name, find_weights, load_config, parse_pair,
                         plain_requested)
-from kvt.harness.data import calibration_sequences, check_same_tokenizer, heldout_windows
+from kvt.harness.data import calibration_sequences, check_same_tokenizer, heldout_windows, read_documents
 from kvt.harness.figures import retention_png
 from kvt.harness.diagnose import MAX_KL, MIN_ATTN_COS, diagnose, format_diagnostics, gate, next_nll
 from kvt.handoff import Recompute
@@ -591,21 +591,22 @@ def write_atomic(path, text):
 
 
 def heldout_texts(s):
-    """[(name, documents or None, path)]: the held-out texts of the context-gain measure; refuses one that is
-    (or is inside, or holds) calibration text."""
+    """[(name, documents)]: the held-out texts of the context-gain measure, read now (run() calls this
+    before calibrating, so a path that is not text is refused before the hours of work); refuses one that
+    is (or is inside, or holds) calibration text."""
     out = []
     for h in s.heldout:
         if h == "toy":
-            out.append(("toy corpus (seed 98)", toy.corpus(400, seed=98), None))   # calibration: seed 99
+            out.append(("toy corpus (seed 98)", toy.corpus(400, seed=98)))   # calibration: seed 99
             continue
         p = Path(h).resolve()
         if not p.exists():
-            raise KvtError(f"--heldout {h} does not exist; pass a .txt file (or 'toy')")
+            raise KvtError(f"--heldout {h} does not exist; pass a text file (or 'toy')")
         for c in map(lambda x: Path(x).resolve(), s.calib):
             if p == c or c in p.parents or p in c.parents:
                 raise KvtError(f"--heldout {h} is calibration text too (--calib {c}); calibrate on other text "
                                "(e.g. --calib DATA/calib/wikitext-2/valid.txt) or hold out another file")
-        out.append((p.name, None, p))
+        out.append((p.name, read_documents(p, option="--heldout")))
     return out
 
 
@@ -615,25 +616,29 @@ def measure_context_gain(s, source, target, mapper, tok):
     contexts = [int(c) for c in (s.nll_context or ("128" if s.toy else "1024")).split(",")]
     limit = min(source.config.max_seq_len, target.config.max_seq_len)
     rows = []
-    for name, docs, path in heldout_texts(s):
+    for name, docs in heldout_texts(s):
         for c in contexts:
             if c + next_n > limit:
                 print(f"context gain: {c} + {next_n} tokens exceed the models' {limit}; skipped")
                 continue
-            ids = heldout_windows(path, tok, s.nll_windows, c + next_n, documents=docs)
-            row = context_gain(next_nll(source, target, mapper, ids, c, plain=s.plain), seed=s.seed)
+            ids = heldout_windows(name, tok, s.nll_windows, c + next_n, documents=docs)
+            nll = next_nll(source, target, mapper, ids, c, plain=s.plain)
+            row = context_gain(nll, vocab_size=target.config.vocab_size, seed=s.seed)
             rows.append({"text": name, "context": c, "next": next_n, **row})
     return rows
 
 
 def format_context_gain(rows):
+    """The context-gain table of report.md; where the target gains nothing from context (summary.context_gain's
+    no_ratio), that sentence stands in the last column instead of a ratio."""
     lines = ["| held-out text | context | next | windows | NLL target | NLL transfer | NLL floor | context gain kept |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["gain_ci"]
         ci = f" [{pct(lo)}, {pct(hi)}]" if lo is not None else ""
+        kept = f"no ratio: {r['no_ratio']}" if r.get("no_ratio") else f"{pct(r['gain'])}%{ci}"
         lines.append(f"| {r['text']} | {r['context']} | {r['next']} | {r['windows']} | {r['nll']['target']:.4f} | "
-                     f"{r['nll']['transfer']:.4f} | {r['nll']['floor']:.4f} | {pct(r['gain'])}%{ci} |")
+                     f"{r['nll']['transfer']:.4f} | {r['nll']['floor']:.4f} | {kept} |")
     return "\n".join(lines)
 
 

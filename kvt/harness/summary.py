@@ -65,18 +65,35 @@ def bootstrap(fn, columns, n_boot=1000, seed=0):
     return percentiles(torch.tensor([math.nan if v is None else v for v in stats], dtype=torch.float64))
 
 
-def context_gain(nll, n_boot=1000, seed=0):
+def context_gain(nll, vocab_size=None, n_boot=1000, seed=0):
     """"Context gain kept" from next_nll's per-window NLLs {target, transfer, floor: (W,)}: of what the
     context takes off the floor's NLL, the share the transfer keeps, (floor - transfer) / (floor - target)
-    over the windows' mean NLLs, with a seeded 95% bootstrap interval over windows (paired)."""
+    over the windows' mean NLLs, with a seeded 95% bootstrap interval over windows (paired).
+
+    The ratio means something only where the target itself gains from context: its gain, floor - target
+    ("target_gain", nats per token, with its interval), must be above its noise (the interval above 0),
+    and the target must model the text at all (its NLL at most log(vocab_size), uniform over its
+    vocabulary; a toy scored on English sits far above). Otherwise gain and gain_ci are None and
+    "no_ratio" says why, in words (None where the ratio is given)."""
     cols = [nll[c].tolist() for c in ("floor", "transfer", "target")]
+    means = {c: sum(v) / len(v) for c, v in zip(("floor", "transfer", "target"), cols)}
 
     def gain(f, x, t):
         d = f.mean() - t.mean()
         return None if d.abs() < 1e-12 else ((f.mean() - x.mean()) / d).item()
-    point = gain(*(torch.tensor(c, dtype=torch.float64) for c in cols))
-    return {"nll": {c: sum(v) / len(v) for c, v in zip(("floor", "transfer", "target"), cols)}, "gain": point,
-            "gain_ci": bootstrap(gain, cols, n_boot, seed), "windows": len(cols[0])}
+    target_gain = means["floor"] - means["target"]
+    lo, hi = bootstrap(lambda f, t: (f.mean() - t.mean()).item(), [cols[0], cols[2]], n_boot, seed)
+    no_ratio = None
+    if vocab_size is not None and means["target"] > math.log(vocab_size):
+        no_ratio = (f"the target cannot model this text: its NLL {means['target']:.2f} is above uniform over its "
+                    f"{vocab_size} tokens ({math.log(vocab_size):.2f})")
+    elif lo is None or lo <= 0:
+        ci = f" [{lo:.3f}, {hi:.3f}]" if lo is not None else ""
+        no_ratio = f"the target gains {target_gain:.3f} nats{ci} from context, not above its noise"
+    point, ci = (None, (None, None)) if no_ratio else (
+        gain(*(torch.tensor(c, dtype=torch.float64) for c in cols)), bootstrap(gain, cols, n_boot, seed))
+    return {"nll": means, "target_gain": target_gain, "target_gain_ci": (lo, hi), "gain": point, "gain_ci": ci,
+            "no_ratio": no_ratio, "windows": len(cols[0])}
 
 
 def stderr(vals):
