@@ -196,7 +196,7 @@ def check_same_tokenizer(src_tok, tgt_tok):
 def heldout_windows(paths_or_dir, tokenizer, count, length, documents=None):
     """`count` windows (count, length) of token ids from held-out text (files, or `documents`, a list of
     strings), the documents' ids joined end to end, the windows evenly spaced and never overlapping;
-    fewer when the text holds fewer. For the context-gain measure (handoff.next_nll)."""
+    fewer when the text holds fewer. For the context-gain measure (diagnose.next_nll)."""
     docs = documents if documents is not None else read_documents(paths_or_dir, option="--heldout")
     ids = [i for d in docs for i in tokenizer.encode(d)]
     slots = len(ids) // length
