@@ -14,7 +14,7 @@ of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
 
 Which path runs is the caller's explicit choice: run.py, kvt bench and the other commands take these
 twins unless --plain (or KVT_PLAIN=1 in the environment, read by the entry points only); a library
-caller passes them (`calibrate(..., add=fast.add_batch)`, `handoff(..., fast=True)`).
+caller passes them (`calibrate(..., plain=True)` for the plain adder, `handoff(..., fast=True)`).
 """
 import ctypes
 from dataclasses import dataclass, fields
