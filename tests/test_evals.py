@@ -314,13 +314,13 @@ def test_resume_skips_by_id_in_any_order():
     items = [T.Item(f"q{i}", f"Question: is {i} more than {7 - i}?\nAnswer:", g, ["A", "B", "C", "D"],
                     floor="Answer:") for i, g in enumerate(golds)]
     conds = E.conditions(target, transfer=E.Condition(other))  # the target answers from the other's cache
-    first = list(E.evaluate("arc_easy", items[:4], tok, conds))  # stopped after 4 items,
-    first += E.evaluate("arc_easy", items[4:6], tok, {"target": conds["target"]})  # mid-item
+    first = list(E.evaluate("arc_easy", items[:4], tok, conds, progress=False))  # stopped after 4 items,
+    first += E.evaluate("arc_easy", items[4:6], tok, {"target": conds["target"]}, progress=False)  # mid-item
     for r in first:
         assert set(r) >= {"task", "condition", "id", "lls", "acc", "acc_norm"}
         json.dumps(r)  # plain data: one jsonl line
     done = {(r["condition"], r["id"]) for r in first}
-    rest = list(E.evaluate("arc_easy", items[::-1], tok, conds, done=done))
+    rest = list(E.evaluate("arc_easy", items[::-1], tok, conds, done=done, progress=False))
     assert [(r["id"], r["condition"]) for r in rest] == [
         ("q7", "target"), ("q7", "floor"), ("q7", "transfer"), ("q6", "target"), ("q6", "floor"),
         ("q6", "transfer"), ("q5", "floor"), ("q5", "transfer"), ("q4", "floor"), ("q4", "transfer")]
@@ -445,7 +445,7 @@ def test_exact_pair_transfer_keeps_every_answer():
     conds = E.conditions(target, source, transfer=E.transfer(source, target, mapper))
     items = [T.Item(str(i), f"Question: what is {i} plus {i}?\nAnswer:", i % 3, [str(2 * i), "seven", "no idea"],
                     floor="Answer:") for i in range(4)]
-    recs = {(r["condition"], r["id"]): r for r in E.evaluate("arc_easy", items, tok, conds)}
+    recs = {(r["condition"], r["id"]): r for r in E.evaluate("arc_easy", items, tok, conds, progress=False)}
     for i in map(str, range(4)):
         err = max(abs(a - b) for a, b in zip(recs[("transfer", i)]["lls"], recs[("target", i)]["lls"]))
         assert err < 1e-3, f"item {i}: transfer vs target loglikelihood error {err:.2e}"

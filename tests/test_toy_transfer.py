@@ -19,7 +19,7 @@ def test_transfer_keeps_recall():  # measured: target 1.00, transfer 0.92, floor
     mapper, _ = calibrate(source, target, calib)          # the paper's layer scope, k = 8 -> 2
     conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
     items = load_task("toy_recall", None, 100)
-    summary = summarize(list(evals.evaluate("toy_recall", items, tok, conds)))["toy_recall"]
+    summary = summarize(list(evals.evaluate("toy_recall", items, tok, conds, progress=False)))["toy_recall"]
     own, moved, floor = (summary[c]["acc"] for c in ("target", "transfer", "floor"))
     print(f"\ntoy recall, 100 items: target {own:.2f}, transfer {moved:.2f}, floor {floor:.2f}")
     assert own >= 0.8, f"the target is not far above chance (0.25): {own:.2f}"
