@@ -16,19 +16,12 @@ context, or a prefix of a longer cache, costs no copy. (kvt/fast.py's Reserved i
 free slots after its last one and appends there in place, as gpt-fast does, and attends one query in
 float32 matmuls.)
 
-A cache as a file (save_kv, load_kv): one sequence's keys and values per layer, its positions and token
-ids, and the fingerprints of the model and tokenizer that made it, as safetensors; what a source serving
-engine writes for a target engine's connector to map (kvt/integrations/serving.py).
+A cache as a file (save_kv, load_kv, for a serving engine's connector) is kvt/harness/files.py's.
 """
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
-
-from kvt.config import KvtError
-from kvt.weights import write_safetensors
 
 
 @dataclass
@@ -97,43 +90,3 @@ def empty(n_layers, batch, device=None):
     """A cache with no slots yet."""
     none = torch.empty(batch, 0, dtype=torch.long, device=device)
     return Cache([None] * n_layers, [None] * n_layers, none, none.bool(), full=True)
-
-
-# ---- a cache as a file: what a serving engine saves for another to load (kvt/integrations/serving.py) -----------------
-
-KV_FORMAT = "kvt-kv-1"
-
-
-def save_kv(path, cache, ids, model_fingerprint, tokenizer_fingerprint):
-    """Write a batch-1 Cache of T slots (keys after RoPE, positions 0..T-1) and its T token ids (list of
-    int) as safetensors, atomically, with the source model's and tokenizer's fingerprints."""
-    tensors = {"ids": torch.tensor(ids, dtype=torch.long), "positions": cache.positions[0].cpu().contiguous()}
-    for l, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        tensors[f"k.{l}"], tensors[f"v.{l}"] = k[0].cpu().contiguous(), v[0].cpu().contiguous()  # (Hkv, T, D)
-    write_safetensors(tensors, path, {"format": KV_FORMAT, "model": model_fingerprint,
-                                      "tokenizer": tokenizer_fingerprint, "layers": str(len(cache.keys))})
-
-
-def kv_header(path):
-    """(metadata dict, token ids LongTensor (T,)) of a KV file, without reading its KV; KvtError if it is none."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            ids = f.get_tensor("ids") if "ids" in f.keys() else None
-    except (SafetensorError, OSError) as e:
-        raise KvtError(f"{path} is not a readable KV file ({str(e).splitlines()[0]}); save it again from the source")
-    if meta.get("format") != KV_FORMAT or ids is None:
-        raise KvtError(f"{path} is not a kvt KV file (format {meta.get('format', 'unknown')}, need {KV_FORMAT}); "
-                       "save it with kvt.cache.save_kv or the connector's source side")
-    return meta, ids
-
-
-def load_kv(path, n=None):
-    """The batch-1 Cache of the first n slots (default all) of a KV file."""
-    meta, _ = kv_header(path)
-    t = load_file(str(path))
-    L = int(meta["layers"])
-    n = n or t["positions"].shape[0]
-    keys = [t[f"k.{l}"][None, :, :n] for l in range(L)]                       # L x (1, Hkv, n, D)
-    values = [t[f"v.{l}"][None, :, :n] for l in range(L)]
-    return Cache(keys, values, t["positions"][None, :n], torch.ones(1, n, dtype=torch.bool), full=True)

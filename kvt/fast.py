@@ -8,14 +8,14 @@ of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
     cache.Cache.update (torch.cat)             Reserved.update: appended in place into owned free slots
     cache.Cache.attend (torch's fused kernel)  Reserved.attend: one bf16/fp16 query on a CPU in float32 matmuls
     model.generate                             generate: one Reserved copy, then appends in place
-    stats.add_batch (Sums.add_, float64)       add_batch: centered float32 products, upper part, Pending
+    stats.add_batches (Sums.add_, float64)     add_batches: centered float32 products, upper part, Pending
     Mapper.apply / Mapper.map_layer            apply / map_layer: tiles, one GEMM with the bias, in place
     (glibc's default malloc)                   keep_freed_memory: a freed cache's memory kept for the next
 
 Which path runs is one switch, the keyword `plain`, with one default everywhere: the fast twins.
 Three functions here branch on it: map_cache (Mapper.apply or apply), generate (model.generate or the
-reserved-cache one) and adder (stats.add_batch or add_batch); every function that calls them (handoff,
-take_over, diagnose, kvt.generate, evals' conditions, hf.transfer) takes `plain=False` and passes it
+reserved-cache one) and adder (stats.add_batches or add_batches); every function that calls them (calibrate,
+handoff, take_over, diagnose, kvt.generate, evals' conditions, hf.transfer) takes `plain=False` and passes it
 down. A Reserved cache brings its own attention (Reserved.attend), so the model's files hold no hook
 for it. The entry points (run.py, kvt bench, the serving connector, lm_eval) set plain=True for
 --plain (or KVT_PLAIN=1 in the environment, read by them alone).
@@ -29,8 +29,8 @@ from kvt import model as model_
 from kvt import rope
 from kvt.cache import Cache
 from kvt.capture import layer_features, unfeatures
-from kvt.harness.plan import holds
-from kvt.stats import KINDS, Sums, batch_features, flush, groups
+import kvt.stats
+from kvt.stats import KINDS, Sums, batch_features, groups
 
 # ---- the cache: appended in place (gpt-fast's k_out[:, :, input_pos] = k_val) --------------------------
 
@@ -128,19 +128,49 @@ CHUNK = 256        # features per row chunk of the upper part of xx
 FLUSH = 8192       # tokens of products held in the products' dtype before they are added to the sums
 
 
+def adder(plain=False):
+    """How calibration adds its batches to the statistics: stats.add_batches (float64 products) when
+    plain, else its twin add_batches."""
+    return kvt.stats.add_batches if plain else add_batches
+
+
+def add_batches(stats, stream, products=torch.float32):
+    """stats.add_batches, faster: each batch through add_batch into Pending products, all of them
+    flushed at the end (so a caller that adds its batches in runs, as the harness's resumable
+    accumulate does, flushes where each run ends). products: their dtype
+    (functools.partial(add_batches, products=torch.float64) for float64 ones). Returns stats."""
+    pending = {}
+    for split, src_kv, tgt_kv in stream:
+        add_batch(stats, split, src_kv, tgt_kv, pending, products)
+    flush(pending.values())
+    return stats
+
+
 def add_batch(stats, split, src_kv, tgt_kv, pending, products=torch.float32):
-    """stats.add_batch through `pending` (the caller's dict of Pending, one per sums; stats.flush(pending)
+    """stats.add_batch through `pending` (the caller's dict of Pending, one per sums; flush(pending.values())
     completes the sums), what is pending for the other split flushed first, so that one split's
-    products are held at a time. products: their dtype (accumulate(..., add=functools.partial(add_batch,
-    products=torch.float64)) for float64 ones)."""
+    products are held at a time."""
     flush(p for name, p in pending.items() if not name.endswith(split))
     for name, x, y in batch_features(stats, split, src_kv, tgt_kv):
         pending.setdefault(name, Pending(stats.sums[name], products)).add_(x, y)
 
 
+def flush(pending):
+    """Add what each Pending of `pending` holds back to its sums (Pending.flush_)."""
+    for p in pending:
+        p.flush_()
+
+
+def holds(device, dtype, products=torch.float32):
+    """Whether float32 products are held apart from sums of `dtype` on `device` (Pending; the memory plan,
+    harness/plan.py, counts them): on a CPU, where adding them to float64 sums batch by batch cost as
+    much as the products themselves."""
+    return torch.device(device).type == "cpu" and dtype != products
+
+
 def add_fast_(sums, x, y, products=torch.float32):
     """Sums.add_, faster: x and y centered on their batch mean, the products in `products` (upper part of
-    xx only), the mean's share added back in the sums' dtype. Returns sums."""
+    xx only, then mirrored), the mean's share added back in the sums' dtype. Returns sums."""
     return Pending(sums, products, hold=False).add_(x, y).flush_()
 
 
@@ -172,9 +202,11 @@ class Pending:
         return self
 
     def flush_(self):
-        """Add what is pending to the sums; returns them."""
+        """Add what is pending to the sums, and mirror the upper part of their xx onto its lower part, so
+        that they hold the full sum x x^T again (stats.Sums); returns them."""
         if self.buf is not None:
             add_shifted_(self.sums, self.buf, self.mx, self.my)
+            mirror_(self.sums.xx)
             self.buf = None
         return self.sums
 
@@ -191,6 +223,18 @@ def add_raw_(sums, x, y):
     sums.syy += (y * y).sum(1)
     sums.n += x.shape[1]
     return sums
+
+
+def mirror_(xx):
+    """Copy the upper part of xx (G, F, F) onto its lower part, in place, CHUNK rows at a time (no F x F
+    temporary): the full symmetric sum from the upper part that add_raw_ fills. Returns xx."""
+    F = xx.shape[-1]
+    for i in range(0, F, CHUNK):
+        j = min(i + CHUNK, F)
+        xx[:, j:, i:j] = xx[:, i:j, j:].transpose(1, 2)               # below the diagonal block, from above it
+        d = xx[:, i:j, i:j]                                            # the diagonal block
+        d.copy_(d.triu() + d.triu(1).transpose(1, 2))
+    return xx
 
 
 def _addmm(out, a, b):

@@ -26,9 +26,19 @@ pooled over the groups and dims of one target layer (the fraction of its varianc
 import torch
 
 from kvt.config import KvtError
-from kvt.stats import blocks, check_finite
+from kvt.stats import KINDS, blocks, check_finite
 
 LAMBDAS = tuple(10.0 ** e for e in range(-6, 3))  # 1e-6 .. 100: the grid each target layer picks from
+
+
+def lambdas(lam=None):
+    """The lambdas a fit picks from: LAMBDAS, or only `lam` when one is given."""
+    return LAMBDAS if lam is None else (lam,)
+
+
+def no_skips():
+    """Where calibration lists the lambdas it skipped as singular: {step: {kind: {layer: [lambdas]}}}."""
+    return {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}
 
 
 def eigen(s):
@@ -120,6 +130,20 @@ def select_layers(r2, src_layers, k):
     """Per target layer, the k source layers with the best validation R^2, ascending: LongTensor (Lt, k)."""
     top = r2.topk(min(k, r2.shape[0]), dim=0).indices.T                # (Lt, k) rows of r2
     return torch.tensor(src_layers)[top].sort(dim=1).values
+
+
+def skipped_meta(skipped):
+    """{"lambda_skipped": skipped} when a lambda was skipped anywhere (no_skips()'s form), else {}: what a
+    mapper's meta records of it."""
+    return {"lambda_skipped": skipped} if any(by for step in skipped.values() for by in step.values()) else {}
+
+
+def pick_layers(stats, k, lams=LAMBDAS, skipped=None):
+    """Step 2 of calibration, per kind: (r2 {kind: (Ls, Lt) single_layer_r2}, selected {kind: (Lt, k) the
+    k source layers of stats.src_layers with the best validation R^2 per target layer, select_layers});
+    skipped: no_skips()["select"] or None."""
+    r2 = {kind: single_layer_r2(stats, kind, lams, skipped and skipped[kind]) for kind in KINDS}
+    return r2, {kind: select_layers(r2[kind], stats.src_layers, k) for kind in KINDS}
 
 
 def fit_layers(stats, kind, selected, lams=LAMBDAS, skipped=None, host=False):

@@ -1,55 +1,43 @@
-"""Streamed sufficient statistics for the ridge fit, with checkpoint/resume.
+"""Streamed sufficient statistics for the ridge fit: sums over tokens, never the tokens themselves.
 
-The closed-form fit of y from x (ridge.py) needs only sums over tokens, never the tokens themselves:
+The closed-form fit of y from x (ridge.py) needs only
 
     xx = sum x x^T   xy = sum x y^T   sx = sum x   sy = sum y   syy = sum y^2 (per output dim)   n
 
 per group g (a KV head in head scope, the whole layer in layer scope; see capture.py). Features x are
 the position-free K (or V) of a list of source layers, concatenated layer by layer (F = layers * Bx);
-outputs y are those of a list of target layers (all of them unless the statistics are split by
-target-layer groups, mapper.calibrate), concatenated (O = layers * By). Any sub-fit (one source layer,
-or the k selected ones, onto one target layer) reads its blocks out of these sums, so one pass over
-the calibration data serves layer selection and the final fit. Sums are plain tensors: two statistics
-objects add by tensor addition, and a checkpoint is those tensors in a safetensors file, so a resumed
-calibration is bit-identical to an unbroken one.
+outputs y are those of a list of target layers, concatenated (O = layers * By). Any sub-fit (one source
+layer, or the k selected ones, onto one target layer) reads its blocks out of these sums, so one pass
+over the calibration data serves layer selection and the final fit. Sums are plain tensors: two
+statistics objects add by tensor addition.
+
+    stats = accumulate(source, target, calib, new_stats(source.config, target.config, "head"))
 
 This file is the plain path: each batch's products in float64 (Sums.add_), added. Its fast twin,
-fast.add_batch (kvt/fast.py, tested equal in tests/test_fast.py), centers the features and takes
-float32 products of the upper part of xx only; the caller picks one by passing it as `add`.
+fast.add_batches (kvt/fast.py, tested equal in tests/test_fast.py), centers the features and takes
+float32 products; the caller picks one by passing it as `add` (fast.adder(plain) returns one of the two).
 
 Two splits: "fit" (calibration's fit region) and "val" (its validation region, data.Calibration),
 kept as separate sums; layer selection and lambda are chosen on "val". Diagnostics use a third region
-that never reaches the statistics.
-
-Data parallel (torchrun, dist.py): each rank streams its share of the batches into its own sums, and
-the ranks' sums are added with all_reduce at every checkpoint and at the end.
+that never reaches the statistics. (Checkpoints, resume and data parallelism are the run harness's:
+kvt/harness/calibration.py.)
 """
-import json
-import os
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from kvt.harness import files as checkpoint, dist
 from kvt.capture import capture, features
 from kvt.config import KvtError, check_matched_kv
 
 KINDS = ("k", "v")
 SPLITS = ("fit", "val")
 FIELDS = ("xx", "xy", "sx", "sy", "syy", "n")
-FORMAT = "kvt-stats-2"  # 2: fit/val regions of disjoint documents, target-layer lists, centered products
 
 
 @dataclass
 class Sums:
-    """Sums over tokens for one kind (K or V) and one split; G groups, F features, O outputs.
-
-    xx = sum x x^T is symmetric: gram() reads only its upper part (the fast twin, fast.add_fast_,
-    accumulates only that: about half the work)."""
-    xx: torch.Tensor   # (G, F, F)  sum x x^T (fast.add_fast_: its upper part)
+    """Sums over tokens for one kind (K or V) and one split; G groups, F features, O outputs."""
+    xx: torch.Tensor   # (G, F, F)  sum x x^T
     xy: torch.Tensor   # (G, F, O)
     sx: torch.Tensor   # (G, F)
     sy: torch.Tensor   # (G, O)
@@ -73,15 +61,15 @@ class Sums:
         return self
 
     def gram(self):
-        """The full symmetric sum x x^T (G, F, F) from its upper part (the fast path fills only that)."""
-        return self.xx.triu() + self.xx.triu(1).transpose(1, 2)
+        """sum x x^T (G, F, F): a copy, which the caller may change in place."""
+        return self.xx.clone()
 
     def __add__(self, other):
         return Sums(*(getattr(self, f) + getattr(other, f) for f in FIELDS))
 
     def select(self, fi, oi=slice(None)):
-        """The sums of a sub-fit, in float64 whatever the sums' dtype: feature indices fi (ascending, so
-        xx keeps its upper part), output indices oi (default all outputs)."""
+        """The sums of a sub-fit, in float64 whatever the sums' dtype: feature indices fi (ascending),
+        output indices oi (default all outputs)."""
         assert bool((fi[1:] > fi[:-1]).all()), "feature indices must ascend"
         return Sums(*(t.double() for t in (self.xx[:, fi][:, :, fi], self.xy[:, fi][:, :, oi], self.sx[:, fi],
                                            self.sy[:, oi], self.syy[:, oi], self.n)))
@@ -144,6 +132,13 @@ def candidate_layers(n_layers, count=None):
     return [i * (n_layers - 1) // (count - 1) for i in range(count)]
 
 
+def layers_used(selected, targets=None):
+    """The source layers that target layers `targets` (default all) select for K or V (selected: kind ->
+    (Lt, k)), ascending: those a second, layer-level pass sums over."""
+    rows = range(len(selected["k"])) if targets is None else targets
+    return sorted({l for kind in KINDS for t in rows for l in selected[kind][t].tolist()})
+
+
 def groups(src_cfg, tgt_cfg, scope):
     """(G, Bx, By) of a scope; head scope needs matched KV heads and head dim."""
     if scope == "head":
@@ -165,130 +160,35 @@ def batch_features(stats, split, src_kv, tgt_kv):
         yield f"{kind}.{split}", x.flatten(2), y.flatten(2)
 
 
-def add_batch(stats, split, src_kv, tgt_kv, pending=None):
-    """Add one batch of captured KV to a split: Sums.add_ (float64 products). pending: the caller's dict of
-    what an adder holds back until a flush point (fast.add_batch's); this one holds nothing back."""
+def add_batch(stats, split, src_kv, tgt_kv):
+    """Add one batch of captured KV to a split: Sums.add_ (float64 products)."""
     for name, x, y in batch_features(stats, split, src_kv, tgt_kv):
         stats.sums[name].add_(x, y)
 
 
-def flush(pending):
-    """Add what each of an adder's pending objects holds back to its sums (flush_(); fast.Pending)."""
-    for p in pending:
-        p.flush_()
-
-
-SAVE_S = 600.0     # seconds between statistics checkpoints: a pass of a large pair is tens of GiB to write
-
-
-def accumulate(source, target, calib, stats, batch_size=1, path=None, every=20, save_s=SAVE_S, final=True,
-               progress=True, add=add_batch, capture_target=capture):
-    """Stream every not-yet-seen sequence of calib.fit, then of calib.val, through both models into
-    stats (in place); calib is a data.Calibration. Every `every` rounds what is pending is added to the
-    sums (a flush point, the same with or without a checkpoint). With `path`, the statistics are saved
-    there at the first flush point `save_s` seconds after the last save (0: at every flush point) and,
-    with `final`, once complete; a run that finds a checkpoint resumes from it (one made for other data,
-    another plan or another key is refused). Saves land on flush points only, so a resumed run adds in
-    the order an unbroken one does: bit-identical sums. final=False leaves the complete sums unsaved (a
-    caller that saves what it fits from them instead; the last checkpoint stays for it to delete), and
-    deletes a checkpoint before writing the next, so the disk never holds two of them.
-    add, capture_target: what one batch adds and how the target's side of it is captured (default:
-    add_batch, capture; fast.add_batch is add's fast twin, attnfit.py passes its weighted twins).
-
-    Data parallel under torchrun (dist.py; every rank calls this with the same calib and stats): the
-    batches are dealt out in rounds, one batch per rank, and the ranks' sums are all-reduced at every
-    checkpoint and at the end, so every rank returns the statistics over all the sequences, equal to one
-    process's up to float32 rounding (each rank holds its own batches' pending products). The
-    invariant: the ranks' sums add up to the statistics of the first stats.seen sequences (what stats
-    held on entry counts once, on rank 0). A checkpoint holds those totals and a resume point between
-    rounds, so it resumes with any number of ranks. Returns stats."""
-    if path and Path(path).exists():
-        load_stats(path, like=stats)                    # into stats' own tensors: no second copy
-    stats.data = stats.data or calib.hash()
-    if stats.data != calib.hash():
-        raise KvtError(f"statistics {path or ''} were accumulated over other calibration sequences; delete the "
-                       "file or use the same corpus, --calib-seqs, --calib-len and seed")
-    if dist.rank() > 0:
-        zero_(stats)
-    ids = torch.cat([calib.fit, calib.val])
-    n, n_fit = len(ids), len(calib.fit)
-    starts = [*range(0, n_fit, batch_size), *range(n_fit, n, batch_size)]  # batches never straddle splits
-    todo = [(s, min(s + batch_size, n_fit if s < n_fit else n)) for s in starts if s >= stats.seen]
-    rounds = [todo[i:i + dist.world()] for i in range(0, len(todo), dist.world())]
-    devices = [next(m.parameters()).device for m in (source, target)]      # where each model's input goes
-    device = stats.part("k", "fit").xx.device
-    desc = f"calibration stats ({stats.scope}, {len(stats.src_layers)} source x {len(stats.tgt_layers)} target layers)"
-    pending, saved = {}, time.monotonic()
-    for i, batches in enumerate(tqdm(rounds, desc=desc, disable=not progress or dist.rank() > 0)):
-        for s, e in dist.shard(batches):                                     # this rank's batch, if any
-            src, tgt = capture(source, ids[s:e].to(devices[0])), capture_target(target, ids[s:e].to(devices[1]))
-            add(stats, "fit" if s < n_fit else "val", src, tgt, pending)
-        stats.seen = batches[-1][1]
-        done = stats.seen == n
-        if (i + 1) % every == 0 or done:                  # a flush point, with or without a path, so that a
-            flush(pending.values())                       # resumed run adds in the order an unbroken one does
-        else:
-            continue
-        due = torch.tensor([float(time.monotonic() - saved >= save_s)], device=device)
-        if path and (final if done else dist.all_reduce_(due).item() > 0):   # any rank's clock: all save
-            saved = time.monotonic()
-            all_reduce_(stats)
-            if dist.rank() == 0:
-                if not final and Path(path).exists():     # the disk holds one checkpoint of a pass whose
-                    os.remove(path)                       # result the caller keeps, not two while rewriting
-                save_stats(stats, path)
-            else:
-                zero_(stats)                              # the totals count once: on rank 0
-    flush(pending.values())
-    return all_reduce_(stats)                             # every rank: the sums over all the sequences
-
-
-def all_reduce_(stats):
-    """Sum every rank's statistics, in place, in their own dtype (float64 by default). Returns stats."""
-    for s in stats.sums.values():
-        for t in s.tensors():
-            dist.all_reduce_(t)
+def add_batches(stats, stream):
+    """Add every (split, source KV, target KV) of `stream` (as batches() yields them) to stats, batch by
+    batch (add_batch). Returns stats. fast.add_batches is its twin."""
+    for split, src_kv, tgt_kv in stream:
+        add_batch(stats, split, src_kv, tgt_kv)
     return stats
 
 
-def zero_(stats):
-    for s in stats.sums.values():
-        for t in s.tensors():
-            t.zero_()
+def batches(source, target, calib, batch_size=1):
+    """(split, source KV, target KV) of each batch of calib.fit, then of calib.val (a data.Calibration;
+    batches never straddle the two): capture() of both models, each on its own device."""
+    on = [next(m.parameters()).device for m in (source, target)]     # where each model's input goes
+    for split in SPLITS:
+        ids = getattr(calib, split)                                     # (S, T) token ids
+        for s in range(0, len(ids), batch_size):
+            batch = ids[s:s + batch_size]
+            yield split, capture(source, batch.to(on[0])), capture(target, batch.to(on[1]))
 
 
-def save_stats(stats, path):
-    """Write stats to a safetensors file atomically (checkpoint.save)."""
-    check_finite(stats)
-    tensors = {f"{name}.{f}": getattr(s, f) for name, s in stats.sums.items() for f in FIELDS}
-    checkpoint.save(path, tensors, FORMAT, {"plan": json.dumps(stats.plan()), "seen": str(stats.seen),
-                                            "data": stats.data, "key": stats.key})
-
-
-def load_stats(path, like=None, device=None):
-    """Read stats saved by save_stats. With `like`, refuse a file that covers something else (another
-    plan, key or format), and read the sums into like's own tensors (one tensor at a time, so memory
-    never holds two copies); returns like."""
-    names = [f"{k}.{s}" for k in KINDS for s in SPLITS]
-    fix = "delete it to recalibrate"
-    f, meta = checkpoint.open_(path, FORMAT, "statistics checkpoint", fix, None if like is None else like.key,
-                               device or "cpu")
-    with f:
-        plan = json.loads(meta["plan"])
-        if like is None:
-            sums = {name: Sums(*(f.get_tensor(f"{name}.{fld}") for fld in FIELDS)) for name in names}
-            stats = Stats(plan["scope"], plan["src_layers"], plan["tgt_layers"], plan["bx"], plan["by"], sums)
-        else:
-            if plan != like.plan():
-                raise KvtError(f"statistics checkpoint {path} is for another calibration plan ({plan}, not "
-                               f"{like.plan()}); {fix}")
-            for name in names:
-                for fld in FIELDS:
-                    getattr(like.sums[name], fld).copy_(f.get_tensor(f"{name}.{fld}"))
-            stats = like
-    stats.seen, stats.data, stats.key = int(meta["seen"]), meta["data"], meta["key"]
-    check_finite(stats)
-    return stats
+def accumulate(source, target, calib, stats, batch_size=1, add=add_batches):
+    """Stream every sequence of calib.fit, then of calib.val, through both models into stats (in place):
+    add(stats, batches) adds them (add_batches, float64 products; fast.add_batches, its twin). Returns stats."""
+    return add(stats, batches(source, target, calib, batch_size))
 
 
 def check_finite(stats):

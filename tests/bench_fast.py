@@ -3,7 +3,7 @@ then `--repeats`; medians, and the ratio per round): the figures behind tutorial
 
     python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs fast.apply (tiles)
     python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # fast.generate vs model.generate: in place vs torch.cat, one_query_attention, torch.mv
-    python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: fast.add_batch vs stats.add_batch
+    python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: fast.add_batches vs stats.add_batches
     python -m tests.bench_fast stream --shape qwen3-1.7b --tokens 2048               # copy vs read-only vs the one-token step, GB/s
 
 Random weights of named shapes (apply: qwen3-0.6b -> 1.7b, k = 8; stats: tests/test_mapper_bench.py's pair,
@@ -87,14 +87,12 @@ def stats_fns(n):
     ids = torch.randint(0, 32000, (1, n), generator=torch.Generator().manual_seed(0))
 
     def stream(add):
-        def go():
-            st, pending = stats.new_stats(src, tgt, "head"), {}
-            for _ in range(max(1, fast.FLUSH // n)):
-                add(st, "fit", capture(source, ids), capture(target, ids), pending)
-            stats.flush(pending.values())
+        def go():                                       # a flush's worth of batches, captured as they are added
+            batches = (("fit", capture(source, ids), capture(target, ids)) for _ in range(max(1, fast.FLUSH // n)))
+            add(stats.new_stats(src, tgt, "head"), batches)
         return go
-    return {"statistics (fast.add_batch: Pending)": stream(fast.add_batch),
-            "statistics (stats.add_batch: Sums.add_)": stream(stats.add_batch)}
+    return {"statistics (fast.add_batches: Pending)": stream(fast.add_batches),
+            "statistics (stats.add_batches: Sums.add_)": stream(stats.add_batches)}
 
 
 def stream(name, n, dtype, repeats):

@@ -21,7 +21,8 @@ import kvt
 from kvt.harness import toy
 from kvt.harness.data import calibration_sequences
 from kvt.harness.diagnose import diagnose
-from kvt.mapper import calibrate, save_mapper
+from kvt.harness.calibration import CalibrationOptions, calibrate
+from kvt.harness.files import save_mapper
 from tests.test_vllm import ROOT, engine
 
 
@@ -36,7 +37,7 @@ def main():
     ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
     tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
     calib = calibration_sequences(None, tok, 40, 128, documents=toy.corpus(1000, seed=99))
-    mapper, _ = calibrate(ks, kt, calib, progress=False)
+    mapper, _ = calibrate(ks, kt, calib, options=CalibrationOptions(progress=False))
     mapper.meta["diagnostics"] = diagnose(ks, kt, mapper, calib.diag)
     save_mapper(mapper, tmp / "m.safetensors")
     text = tok.encode(" ".join(toy.corpus(200, seed=5)))

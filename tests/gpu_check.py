@@ -32,7 +32,7 @@ import kvt
 from kvt.harness import bench
 from kvt.config import parse_pair
 from kvt.harness.data import Calibration
-from kvt.mapper import calibrate
+from kvt.harness.calibration import CalibrationOptions, calibrate
 
 
 def calibration_check(pair, device, dtype, n_seqs, length, k, scope):
@@ -51,7 +51,8 @@ def calibration_check(pair, device, dtype, n_seqs, length, k, scope):
         bench.sync(device)
         forward = time.perf_counter() - t0
     t0 = time.perf_counter()
-    mapper, report = calibrate(source, target, calib, scope=scope, k=k, stats_device=device, progress=False)
+    mapper, report = calibrate(source, target, calib, scope=scope, k=k,
+                               options=CalibrationOptions(stats_device=device, progress=False))
     bench.sync(device)
     total = time.perf_counter() - t0
     peak = bench.peak_memory_gb(device)

@@ -8,8 +8,12 @@ import kvt
 from kvt.harness import attnfit
 from kvt import ridge
 from kvt.config import KvtError
-from kvt.mapper import calibrate
-from kvt.stats import FIELDS, Sums, accumulate, load_stats
+from kvt.harness.calibration import CalibrationOptions, accumulate_resumable
+from kvt.harness.calibration import calibrate as run_calibration
+from kvt.harness.files import load_stats
+from kvt.stats import FIELDS, Sums
+
+QUIET, WEIGHTED = CalibrationOptions(progress=False), CalibrationOptions(progress=False, weights="attention")
 from conftest import calib_of, tiny_config
 from test_stats import DiesAfter, Interrupted
 
@@ -33,9 +37,9 @@ def test_alpha_zero_reproduces_the_uniform_fit_exactly(monkeypatch):
     of the r-weighted sums, or the plain sums rounded on their way through blend."""
     source, target = pair()
     c = calib(source.config.vocab_size)
-    uniform, _ = calibrate(source, target, c, scope="head", k=2, progress=False)
+    uniform, _ = run_calibration(source, target, c, scope="head", k=2, options=QUIET)
     monkeypatch.setattr(attnfit, "ess_alpha", lambda n, rr, p: torch.zeros_like(rr))
-    weighted, _ = calibrate(source, target, c, scope="head", k=2, progress=False, weights="attention")
+    weighted, _ = run_calibration(source, target, c, scope="head", k=2, options=WEIGHTED)
     for kind in ("k", "v"):
         assert torch.equal(weighted.layers[kind], uniform.layers[kind]), "the selection must not change"
         assert torch.equal(weighted.W[kind], uniform.W[kind]), f"{kind}: W differs from the uniform fit"
@@ -51,9 +55,9 @@ def test_uniform_token_weights_reproduce_the_uniform_fit(monkeypatch):
     wrong source layers, heads or target layers with a target head's outputs."""
     source, target = pair(seed=3)
     c = calib(source.config.vocab_size, seed=1)
-    uniform, _ = calibrate(source, target, c, scope="head", k=2, lam=1e-3, progress=False)
+    uniform, _ = run_calibration(source, target, c, scope="head", k=2, lam=1e-3, options=QUIET)
     monkeypatch.setattr(attnfit, "token_weights", lambda q, k, v, lengths: (torch.ones(k.shape[:3], dtype=f64),) * 2)
-    weighted, _ = calibrate(source, target, c, scope="head", k=2, lam=1e-3, progress=False, weights="attention")
+    weighted, _ = run_calibration(source, target, c, scope="head", k=2, lam=1e-3, options=WEIGHTED)
     assert weighted.meta["alpha"]["v"][1] == [1.0, 1.0]
     for kind in ("k", "v"):
         err = (weighted.W[kind] - uniform.W[kind]).abs().max().item()
@@ -131,8 +135,7 @@ def test_attention_weights_need_head_scope():
     """--token-weights attention with layer scope is refused in one line (the fit is head-local)."""
     source, target = pair()
     with pytest.raises(KvtError, match="--scope head"):
-        calibrate(source, target, calib(source.config.vocab_size), scope="layer", k=2, progress=False,
-                  weights="attention")
+        run_calibration(source, target, calib(source.config.vocab_size), scope="layer", k=2, options=WEIGHTED)
 
 
 def test_weighted_pass_resumes_bit_identically(tmp_path):
@@ -146,12 +149,12 @@ def test_weighted_pass_resumes_bit_identically(tmp_path):
     def fresh():
         return attnfit.new_weighted_stats(source.config, target.config, selected, key="t")
     kw = dict(add=attnfit.add_weighted, capture_target=attnfit.capture_weighted, progress=False)
-    whole = accumulate(source, target, c, fresh(), 2, every=2, **kw)
+    whole = accumulate_resumable(source, target, c, fresh(), 2, every=2, **kw)
     path = tmp_path / "attn.safetensors"
     with pytest.raises(Interrupted):
-        accumulate(DiesAfter(source, 3), target, c, fresh(), 2, path, every=2, save_s=0, **kw)
+        accumulate_resumable(DiesAfter(source, 3), target, c, fresh(), 2, path, every=2, save_s=0, **kw)
     assert load_stats(path).seen == 4
-    resumed = accumulate(source, target, c, fresh(), 2, path, every=2, save_s=0, **kw)
+    resumed = accumulate_resumable(source, target, c, fresh(), 2, path, every=2, save_s=0, **kw)
     assert all(torch.equal(getattr(resumed.sums[n], f), getattr(whole.sums[n], f)) for n in whole.sums for f in FIELDS)
     assert whole.sums["k.fit"].n.shape == (3 * 2,) and (whole.sums["k.fit"].n > 0).all()
 

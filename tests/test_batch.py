@@ -12,7 +12,7 @@ from kvt.harness import evals as E
 from kvt.harness import scoring, toy
 from kvt.harness import tasks as T
 from kvt.harness.data import calibration_sequences
-from kvt.mapper import calibrate
+from kvt.calibrate import calibrate
 from kvt.tokenizer import end_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,7 +55,7 @@ def toy_run():
     source, target = (kvt.load_model(ROOT / "weights" / n) for n in ("toy-s", "toy-m"))
     tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
     calib = calibration_sequences(None, tok, 24, 64, documents=toy.corpus(300, seed=99))
-    mapper, _ = calibrate(source, target, calib, k=2, progress=False)
+    mapper, _ = calibrate(source, target, calib, k=2)
     return tok, E.conditions(target, source, E.transfer(source, target, mapper)), mapper
 
 
@@ -103,7 +103,7 @@ def qwen3_run(hub_cache):
     source, target = (kvt.load_model(repos[r][0]) for r in ("Qwen/Qwen3-14B", "Qwen/Qwen3-32B"))
     tok = kvt.load_tokenizer(repos["Qwen/Qwen3-32B"][0])
     ids = torch.randint(0, 151643, (16, 48), generator=torch.Generator().manual_seed(0))
-    mapper, _ = calibrate(source, target, calib_of(ids), k=2, progress=False)
+    mapper, _ = calibrate(source, target, calib_of(ids), k=2)
     return tok, E.conditions(target, source, E.transfer(source, target, mapper))
 
 

@@ -201,11 +201,11 @@ def test_bench_and_bench_lean_time_the_same_things():
 def test_random_mapper_has_the_shape_of_a_fitted_one(scope):
     """Timing a random mapper stands for timing a fitted one only if it does the same work. Guards: a
     layer-scope bench timing head-scope matmuls (8x fewer FLOPs)."""
-    from kvt.mapper import calibrate
+    from kvt.harness.calibration import CalibrationOptions, calibrate
     from tests.conftest import calib_of
     small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
     fitted, _ = calibrate(small, large, calib_of(torch.randint(0, 128, (10, 16))), scope=scope, k=2, lam=1e-3,
-                          progress=False)
+                          options=CalibrationOptions(progress=False))
     rand = random_mapper(SMALL, LARGE, scope, k=2)
     assert {n: t.shape for n, t in rand.tensors().items()} == {n: t.shape for n, t in fitted.tensors().items()}
 

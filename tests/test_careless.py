@@ -103,11 +103,12 @@ def lm(tiny_pair, tmp_path_factory):
     from kvt.harness import toy
     from kvt.harness.data import calibration_sequences
     from kvt.integrations.lm_eval import KvtLM
-    from kvt.mapper import calibrate, save_mapper
+    from kvt.harness.calibration import CalibrationOptions, calibrate
+    from kvt.harness.files import save_mapper
     tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
     calib = calibration_sequences(None, tok, 12, 40, documents=toy.corpus(100, seed=99))
     mapper, _ = calibrate(*(kvt.load_model(ROOT / "weights" / n) for n in ("toy-s", "toy-m")), calib, k=1,
-                          progress=False)
+                          options=CalibrationOptions(progress=False))
     path = tmp_path_factory.mktemp("lm") / "toy.safetensors"
     save_mapper(mapper, path)
     return KvtLM, path

@@ -13,7 +13,7 @@ from kvt.teach import course
 from kvt import ridge
 from kvt.harness import toy
 from kvt.cli import entry
-from kvt.mapper import calibrate
+from kvt.harness.calibration import CalibrationOptions, calibrate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,7 +67,7 @@ def test_stubs_score_zero(name, tmp_path, capsys):
     readme = (folder / "README.md").read_text()
     assert all(f"`{f.name}`" in readme for f in a.functions) and "OMP_NUM_THREADS=1" in readme
     mine = (folder / "kvt" / "course.py").read_text()                # the exercises' answers are cut from it
-    assert "def greedy_layers" in mine and "ridge.fit_layers(" not in mine and "mapper.calibrate(" not in mine
+    assert "def greedy_layers" in mine and "ridge.fit_layers(" not in mine and "calibrate(source, target" not in mine
 
 
 @pytest.mark.parametrize("name", list(course.ASSIGNMENTS))
@@ -332,7 +332,7 @@ def test_greedy_selection_never_loses_to_top_k_at_k_2():
     calib = course.calibration_sequences(None, kvt.load_tokenizer(course.ROOT / "weights" / "toy-s"), 6, 64,
                                          documents=toy.corpus(200, seed=99))
     fixed = lambda stats, kind, k, lams: torch.tensor([[1]] * len(stats.tgt_layers))   # always source layer 1
-    m, _ = calibrate(source, target, calib, scope="head", k=1, select=fixed, progress=False)
+    m, _ = calibrate(source, target, calib, scope="head", k=1, options=CalibrationOptions(select=fixed, progress=False))
     assert m.layers["k"].tolist() == [[1], [1]] and m.layers["v"].tolist() == [[1], [1]]
 
 

@@ -16,9 +16,10 @@ from kvt.harness import dist
 from kvt import fast
 from kvt.harness.bench import random_mapper
 from kvt.handoff import handoff
-from kvt.mapper import calibrate, load_mapper, save_mapper
+from kvt.harness.calibration import CalibrationOptions, accumulate_resumable, calibrate
+from kvt.harness.files import load_mapper, load_stats, save_mapper
 from kvt.loading import layer_devices, place
-from kvt.stats import FIELDS, accumulate, load_stats, new_stats
+from kvt.stats import FIELDS, accumulate, new_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,8 +62,8 @@ def worker(rank, world, port, tmp, phase, src, tgt):
     assert dist.init(["cpu"]) == ["cpu"] and dist.world() == world and dist.rank() == rank
     try:
         if phase == "calibrate":
-            mapper, _ = calibrate(src, tgt, IDS, scope="layer", k=2, batch_size=2, checkpoint=f"{tmp}/two",
-                                  progress=False, add=fast.add_batch)
+            mapper, _ = calibrate(src, tgt, IDS, scope="layer", k=2, batch_size=2,
+                                  options=CalibrationOptions(checkpoint=f"{tmp}/two", progress=False))
             save_mapper(mapper, f"{tmp}/two.rank{rank}.safetensors")
             everything = dist.gather(dist.shard(list(range(7))))
             if rank == 0:
@@ -71,14 +72,16 @@ def worker(rank, world, port, tmp, phase, src, tgt):
             else:
                 assert everything is None
             try:  # every rank dies at its third batch (round 2): rounds 0 and 1 are checkpointed
-                accumulate(DiesAfter(src, 2), tgt, IDS, new_stats(src.config, tgt.config, "head"), 2,
-                           f"{tmp}/resumed.safetensors", every=1, save_s=0, progress=False, add=fast.add_batch)
+                accumulate_resumable(DiesAfter(src, 2), tgt, IDS, new_stats(src.config, tgt.config, "head"), 2,
+                                     f"{tmp}/resumed.safetensors", every=1, save_s=0, progress=False,
+                                     add=fast.add_batches)
             except Interrupted:
                 pass
         else:  # fresh processes: resume the interrupted run, and run it again unbroken
             for name in ("resumed", "whole"):
-                accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, f"{tmp}/{name}.safetensors",
-                           every=1, save_s=0, progress=False, add=fast.add_batch)
+                accumulate_resumable(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2,
+                                     f"{tmp}/{name}.safetensors", every=1, save_s=0, progress=False,
+                                     add=fast.add_batches)
     finally:
         dist.close()
 
@@ -108,8 +111,8 @@ def two_processes(tmp_path_factory):
 
 def test_two_processes_calibrate_the_same_mapper_as_one(two_processes, tmp_path):
     src, tgt = pair()
-    one, _ = calibrate(src, tgt, IDS, scope="layer", k=2, batch_size=2, checkpoint=tmp_path / "one", progress=False,
-                       add=fast.add_batch)
+    one, _ = calibrate(src, tgt, IDS, scope="layer", k=2, batch_size=2,
+                       options=CalibrationOptions(checkpoint=tmp_path / "one", progress=False))
     pass2 = next(tmp_path.glob("one.pass2-*")).name.removeprefix("one.")
     for p in ("pass1", pass2):                                         # the statistics of both passes
         a, b = load_stats(two_processes / f"two.{p}"), load_stats(tmp_path / f"one.{p}")
@@ -132,13 +135,14 @@ def test_interrupted_two_process_run_resumes_exactly(two_processes, tmp_path):
     resumed, whole = (load_stats(two_processes / f"{n}.safetensors") for n in ("resumed", "whole"))
     assert resumed.seen == whole.seen == SEEN
     assert max_diff(resumed, whole) == 0, "resumed 2-process statistics differ from an unbroken 2-process run"
-    one = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, progress=False, add=fast.add_batch)
+    one = accumulate_resumable(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, progress=False,
+                               add=fast.add_batches)
     assert max_diff(resumed, one) < FP32, f"2 processes vs 1: relative difference {max_diff(resumed, one):.1e}"
     # the checkpoint holds totals and a resume point, so one process can finish what two began
     path = tmp_path / "s.safetensors"
     shutil.copy(two_processes / "interrupted.safetensors", path)
-    finished = accumulate(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, path, every=1, save_s=0,
-                          progress=False, add=fast.add_batch)
+    finished = accumulate_resumable(src, tgt, IDS, new_stats(src.config, tgt.config, "head"), 2, path, every=1,
+                                    save_s=0, progress=False, add=fast.add_batches)
     assert max_diff(finished, one) < FP32
 
 
@@ -209,7 +213,7 @@ def test_split_across_two_cpu_devices_gives_the_same_logits_cache_and_statistics
     logits, cache = src(ids)
     want_handoff, _ = handoff(src, tgt, mapper, ids)
     small = calib_of(IDS.fit[:8])
-    stats = accumulate(src, tgt, small, new_stats(src.config, tgt.config, "head"), 2, progress=False)
+    stats = accumulate(src, tgt, small, new_stats(src.config, tgt.config, "head"), 2)
     for m in (src, tgt):
         place(m, ["cpu", "cpu"])
     placed = mapper.place(layer_devices(tgt))
@@ -220,7 +224,7 @@ def test_split_across_two_cpu_devices_gives_the_same_logits_cache_and_statistics
     assert all(torch.equal(a, b) for a, b in zip(mapped.keys + mapped.values, want.keys + want.values))
     got_handoff, _ = handoff(src, tgt, placed, ids)
     assert torch.equal(got_handoff, want_handoff)
-    split_stats = accumulate(src, tgt, small, new_stats(src.config, tgt.config, "head"), 2, progress=False)
+    split_stats = accumulate(src, tgt, small, new_stats(src.config, tgt.config, "head"), 2)
     assert max_diff(split_stats, stats) == 0
 
 

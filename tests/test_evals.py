@@ -15,7 +15,7 @@ from kvt.harness import scoring
 from kvt.harness import summary as S
 from kvt.harness import tasks as T
 from kvt.config import KvtError
-from kvt.mapper import calibrate
+from kvt.calibrate import calibrate
 from kvt.loading import build_model
 
 DATA = SHARED / "data"
@@ -440,7 +440,7 @@ def test_exact_pair_transfer_keeps_every_answer():
     source = tiny("qwen3", seed=4)
     target = function_preserving_twin(source, seed=1)
     ids = torch.randint(0, 128, (14, 24), generator=torch.Generator().manual_seed(0))
-    mapper, _ = calibrate(source, target, calib_of(ids), k=1, lam=1e-9, progress=False)
+    mapper, _ = calibrate(source, target, calib_of(ids), k=1, lam=1e-9)
     tok = CharTok()
     conds = E.conditions(target, source, transfer=E.transfer(source, target, mapper))
     items = [T.Item(str(i), f"Question: what is {i} plus {i}?\nAnswer:", i % 3, [str(2 * i), "seven", "no idea"],

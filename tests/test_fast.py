@@ -1,5 +1,5 @@
 """Every fast twin of kvt/fast.py equals its plain function: fast.apply (Mapper.apply), fast.add_fast_
-(Sums.add_) and the streamed statistics (fast.add_batch, Pending; stats.add_batch), the in-place cache
+(Sums.add_) and the streamed statistics (fast.add_batches, Pending; stats.add_batches), the in-place cache
 update (fast.Reserved through reserve; Cache.update), fast.one_query_attention (Cache.attend), and the
 whole handoff and generate on both paths.
 
@@ -140,14 +140,14 @@ def pair():
 
 
 def test_streamed_statistics_fast_equal_plain(pair):
-    """accumulate through fast.add_batch (Pending) and through stats.add_batch (Sums.add_) give the same
+    """accumulate through fast.add_batches (Pending) and through stats.add_batches (Sums.add_) give the same
     sums. Guards: pending products flushed twice (Pending.flush_ not clearing what it added)."""
     from tests.conftest import calib_of
     source, target = pair
     calib = calib_of(torch.randint(0, 128, (8, 20), generator=torch.Generator().manual_seed(2)))
     run = lambda add: stats.accumulate(source, target, calib, stats.new_stats(source.config, target.config, "head"),  # noqa: E731
-                                       batch_size=2, progress=False, add=add)
-    quick, plain = run(fast.add_batch), run(stats.add_batch)
+                                       batch_size=2, add=add)
+    quick, plain = run(fast.adder()), run(fast.adder(plain=True))
     for name in plain.sums:
         assert_equal_within(quick.sums[name].gram(), plain.sums[name].gram(), torch.float32, f"{name}.xx")
         for f in ("xy", "sx", "sy", "syy", "n"):

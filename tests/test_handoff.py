@@ -6,7 +6,7 @@ from conftest import calib_of, function_preserving_twin, tiny_config
 import kvt
 from kvt.handoff import handoff
 from kvt.harness.diagnose import diagnose, format_diagnostics, gate, kl
-from kvt.mapper import calibrate
+from kvt.calibrate import calibrate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,7 +24,7 @@ def assert_close(actual, expected, what, atol=1e-4):
 def exact():
     source = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=0)
     target = function_preserving_twin(source, seed=1)
-    mapper, _ = calibrate(source, target, CALIB, scope="head", k=1, lam=1e-9, progress=False)
+    mapper, _ = calibrate(source, target, CALIB, scope="head", k=1, lam=1e-9)
     return source, target, mapper
 
 
@@ -48,7 +48,7 @@ def test_exact_pair_diagnostics_and_gate(exact):
 
 def test_identity_pair_keeps_the_next_token_distribution():
     model = kvt.build_model(tiny_config("llama", n_layers=3), seed=4)
-    mapper, report = calibrate(model, model, CALIB, progress=False)   # k = 8 -> all 3 layers, lambda per layer
+    mapper, report = calibrate(model, model, CALIB)   # k = 8 -> all 3 layers, lambda per layer
     logits, _ = handoff(model, model, mapper, PROMPTS)
     own, _ = model(PROMPTS)
     div = kl(own[:, -1], logits[:, -1])
@@ -69,7 +69,7 @@ def test_handoff_of_a_left_padded_batch_matches_each_prompt_alone(exact):
 def test_gate_flags_an_unrelated_pair_and_thresholds_are_settable():
     source = kvt.build_model(tiny_config("llama", n_layers=2), seed=0)
     target = kvt.build_model(tiny_config("llama", n_layers=2), seed=1)     # unrelated weights
-    mapper, _ = calibrate(source, target, CALIB, progress=False)
+    mapper, _ = calibrate(source, target, CALIB)
     d = diagnose(source, target, mapper, PROMPTS)
     ok, reasons = gate(d, min_attn_cos=0.999, max_kl=1e-6)
     assert not ok and len(reasons) == 2, reasons
@@ -83,7 +83,7 @@ def test_diagnostics_pool_over_sequences_like_one_batch(exact):
     sequence on its own mean."""
     source, _, _ = exact
     target = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=5)  # an unrelated model: R^2 < 1
-    mapper, _ = calibrate(source, target, CALIB, progress=False)
+    mapper, _ = calibrate(source, target, CALIB)
     d = diagnose(source, target, mapper, PROMPTS)
     _, src = source(PROMPTS)
     _, true = target(PROMPTS)
@@ -103,7 +103,7 @@ def test_recomputing_every_slot_is_the_targets_own_prefill():
     from kvt.handoff import Recompute
     source = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=0)
     target = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=5)     # unrelated: the map alone is poor
-    mapper, _ = calibrate(source, target, CALIB, progress=False)
+    mapper, _ = calibrate(source, target, CALIB)
     ids = PROMPTS[:1]
     own, own_cache = target(ids)
     mapped, _ = handoff(source, target, mapper, ids)
@@ -121,7 +121,7 @@ def test_recomputing_a_suffix_is_the_target_running_it_from_the_mapped_prefix():
     from kvt.handoff import Recompute
     source = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=0)
     target = kvt.build_model(tiny_config("qwen3", n_layers=3), seed=5)
-    mapper, _ = calibrate(source, target, CALIB, progress=False)
+    mapper, _ = calibrate(source, target, CALIB)
     ids, r = PROMPTS[:1], 6
     logits, cache = handoff(source, target, mapper, ids, recompute=Recompute(last=r))
     T = ids.shape[1]

@@ -24,7 +24,7 @@ import kvt
 from kvt.harness import pipeline
 from kvt.harness.bench import bench, peak_memory_gb, random_mapper, reset_peak_memory
 from kvt.config import KvtError, shape
-from kvt.mapper import calibrate
+from kvt.harness.calibration import CalibrationOptions, calibrate
 from kvt.harness.plan import disk_plan, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,7 +79,7 @@ def calibration_bound(scope, src_cfg, tgt_cfg, n=10, T=64, k=2):
     calib = calib_of(torch.randint(0, src_cfg.vocab_size, (n, T), generator=torch.Generator().manual_seed(0)))
     p = plan(src_cfg, tgt_cfg, scope, k=k, context=T, dtype=torch.float32, devices=["cpu"], calib_len=T)
     planned = max(p.total(ph, "cpu") for ph in p.phases() if ph.startswith("calibration"))
-    got = measured(lambda: calibrate(src, tgt, calib, scope=scope, k=k, progress=False))
+    got = measured(lambda: calibrate(src, tgt, calib, scope=scope, k=k, options=CalibrationOptions(progress=False)))
     check_bound(got, planned, f"{scope}-scope calibration")
     return got, planned
 
@@ -165,8 +165,8 @@ def test_layer_passes_resume_from_their_fits_and_drop_their_statistics(tmp_path)
     source = kvt.build_model(cfg, seed=0)
     target = kvt.build_model(tiny_config("llama", n_layers=3), seed=1)
     calib = calib_of(torch.randint(0, 128, (14, 24), generator=torch.Generator().manual_seed(0)))
-    first, _ = calibrate(source, target, calib, scope="layer", k=2, group=1, checkpoint=tmp_path / "s", key="a",
-                         keep_stats=False, progress=False)
+    options = CalibrationOptions(group=1, checkpoint=tmp_path / "s", key="a", keep_stats=False, progress=False)
+    first, _ = calibrate(source, target, calib, scope="layer", k=2, options=options)
     assert (tmp_path / "s.pass1").exists() and not list(tmp_path.glob("s.pass2-*"))
     assert len(list(tmp_path.glob("s.fit-*"))) >= 2
 
@@ -182,13 +182,11 @@ def test_layer_passes_resume_from_their_fits_and_drop_their_statistics(tmp_path)
         def __call__(self, *a, **kw):
             raise AssertionError("the models ran again")
 
-    again, _ = calibrate(Dead(), target, calib, scope="layer", k=2, group=1, checkpoint=tmp_path / "s", key="a",
-                         keep_stats=False, progress=False)
+    again, _ = calibrate(Dead(), target, calib, scope="layer", k=2, options=options)
     for name, t in first.tensors().items():
         assert torch.equal(again.tensors()[name], t), name
     with pytest.raises(KvtError, match="made for another pair or settings.*delete it"):
-        calibrate(Dead(), target, calib, scope="layer", k=2, group=1, checkpoint=tmp_path / "s", key="b",
-                  keep_stats=False, progress=False)
+        calibrate(Dead(), target, calib, scope="layer", k=2, options=dataclasses.replace(options, key="b"))
 
 
 def test_a_folder_short_of_disk_is_refused_in_one_line(tiny_pair, tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from kvt.cache import Cache
 from kvt.config import KvtError
 from kvt.harness.data import calibration_sequences
 from kvt.handoff import handoff
-from kvt.mapper import calibrate
+from kvt.calibrate import calibrate
 from tests.conftest import ROOT, calib_of, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -33,7 +33,7 @@ def pair(folders, calib):
     """kvt and transformers models of the checkpoint folders (source, target), and a mapper fitted with kvt."""
     ks, kt = (kvt.load_model(f) for f in folders)
     hs, ht = (transformers.AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for f in folders)
-    mapper, _ = calibrate(ks, kt, calib, progress=False)
+    mapper, _ = calibrate(ks, kt, calib)
     return SimpleNamespace(ks=ks, kt=kt, hs=hs, ht=ht, mapper=mapper)
 
 

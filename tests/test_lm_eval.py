@@ -31,7 +31,8 @@ from kvt.harness import toy  # noqa: E402
 from kvt.config import KvtError  # noqa: E402
 from kvt.harness.data import calibration_sequences  # noqa: E402
 from kvt.integrations.lm_eval import KvtLM, cli, main, retention  # noqa: E402
-from kvt.mapper import calibrate, save_mapper  # noqa: E402
+from kvt.harness.calibration import CalibrationOptions, calibrate  # noqa: E402
+from kvt.harness.files import save_mapper  # noqa: E402
 
 TOY = ROOT / "weights"
 
@@ -112,7 +113,7 @@ def toy_pair(one_thread, tmp_path_factory):
     tok = kvt.load_tokenizer(TOY / "toy-m")
     calib = calibration_sequences(None, tok, 40, 128, documents=toy.corpus(500, seed=99))
     source, target = kvt.load_model(TOY / "toy-s"), kvt.load_model(TOY / "toy-m")
-    mapper, _ = calibrate(source, target, calib, progress=False)
+    mapper, _ = calibrate(source, target, calib, options=CalibrationOptions(progress=False))
     path = tmp_path_factory.mktemp("mapper") / "mapper.safetensors"
     save_mapper(mapper, path)
     return source, target, tok, mapper, path
@@ -172,7 +173,7 @@ def test_exact_pair_keeps_everything_through_the_command(harness_tasks, tiny_pai
     src, tgt = tiny_pair / "source", tiny_pair / "twin"
     s, t = kvt.load_model(src), kvt.load_model(tgt)
     ids = torch.randint(0, s.config.vocab_size, (14, 32), generator=torch.Generator().manual_seed(0))
-    mapper, _ = calibrate(s, t, calib_of(ids), scope="head", k=1, lam=1e-9, progress=False)
+    mapper, _ = calibrate(s, t, calib_of(ids), scope="head", k=1, lam=1e-9, options=CalibrationOptions(progress=False))
     save_mapper(mapper, tmp_path / "m.safetensors")
     main(["--model_args", f"source={src},target={tgt},condition=transfer,mapper={tmp_path / 'm.safetensors'}",
           "--tasks", "toy_mc", "--include_path", str(folder), "--device", "cpu", "--batch_size", "2",

@@ -23,8 +23,8 @@ from kvt.capture import capture
 from kvt.config import Config
 from kvt.mapper import Mapper
 from kvt import fast
-from kvt.fast import FLUSH, add_batch
-from kvt.stats import flush, new_stats
+from kvt.fast import FLUSH, add_batch, flush
+from kvt.stats import new_stats
 
 pytestmark = pytest.mark.slow
 ROPE = {"rope_type": "default", "rope_theta": 1000000.0}

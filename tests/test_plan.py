@@ -6,7 +6,7 @@ from conftest import calib_of, function_preserving_twin, tiny_config
 
 import kvt
 from kvt.config import KvtError, shape
-from kvt.mapper import calibrate
+from kvt.harness.calibration import CalibrationOptions, calibrate
 from kvt.model import Transformer
 from kvt.loading import place
 from kvt.harness.plan import (GPUS, USABLE, calibration_passes, capacity, check_plan, fits, memory_plan, plan, split_to_fit,
@@ -167,8 +167,9 @@ def test_float32_statistics_take_half_and_fit_the_same_mapper(exact_pair, scope)
     assert b32 == memory_plan(source.config, target.config, scope, batch_tokens=0, dtype=torch.float32)[-1][1]
     pending = b32 // 2                          # float32 products wait for float64 sums only (stats.Pending)
     assert b64 + pending == memory_plan(source.config, target.config, scope, batch_tokens=0)[-1][1]
-    want, _ = calibrate(source, target, CALIB, scope=scope, k=1, lam=1e-9, progress=False)
-    got, report = calibrate(source, target, CALIB, scope=scope, k=1, lam=1e-9, progress=False, stats_dtype=torch.float32)
+    want, _ = calibrate(source, target, CALIB, scope=scope, k=1, lam=1e-9, options=CalibrationOptions(progress=False))
+    got, report = calibrate(source, target, CALIB, scope=scope, k=1, lam=1e-9,
+                            options=CalibrationOptions(progress=False, stats_dtype=torch.float32))
     for kind in "kv":
         assert torch.equal(got.layers[kind], want.layers[kind])
         err = ((got.W[kind] - want.W[kind]).abs().max() / want.W[kind].abs().max()).item()
@@ -178,6 +179,7 @@ def test_float32_statistics_take_half_and_fit_the_same_mapper(exact_pair, scope)
 
 def test_fewer_candidates_select_among_them(exact_pair):
     source, target = exact_pair
-    mapper, report = calibrate(source, target, CALIB, scope="head", k=1, lam=1e-9, progress=False, candidates=2)
+    mapper, report = calibrate(source, target, CALIB, scope="head", k=1, lam=1e-9,
+                               options=CalibrationOptions(progress=False, candidates=2))
     assert report["r2_single"]["k"].shape == (2, 3)                           # candidates 0 and 2 of 3 layers
     assert mapper.layers["k"][:, 0].tolist() == [0, 0, 2]                     # layer 1 is not a candidate

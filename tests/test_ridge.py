@@ -191,7 +191,7 @@ def rank_deficient(eps=3e-3):
         g[:, :, 4] = g[:, :, 3]
         var = g[:, 3, 3] / s.n - (s.sx[:, 3] / s.n) ** 2
         g[:, 3, 4] = g[:, 4, 3] = g[:, 3, 3] + eps * s.n * var
-        s.xx.copy_(g.triu())
+        s.xx.copy_(g)
     return stats
 
 

@@ -1,4 +1,5 @@
-"""stats.py: streamed sums equal the batch computation, resume is bit-identical; plan.memory_plan adds up."""
+"""stats.py: streamed sums equal the batch computation; harness/calibration.py: resume is bit-identical;
+plan.memory_plan adds up."""
 from functools import partial
 
 import pytest
@@ -10,11 +11,14 @@ from kvt import stats
 from kvt.capture import capture, features
 from kvt.config import KvtError, shape
 from kvt.harness.data import Calibration
-from kvt.mapper import calibrate
+from kvt.calibrate import calibrate
+from kvt.harness import calibration
+from kvt.harness.calibration import accumulate_resumable
 from kvt import fast
 from kvt.fast import Pending
 from kvt.harness.plan import memory_plan
-from kvt.stats import FIELDS, Sums, accumulate, load_stats, new_stats, save_stats
+from kvt.harness.files import load_stats, save_stats
+from kvt.stats import FIELDS, Sums, accumulate, new_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +40,7 @@ def test_streamed_statistics_equal_the_batch_computation(pair, scope):
     """Guards: a wrong centering correction (the batch mean's share added back wrongly), batches that
     straddle the fit and validation regions, the diagnostics region leaking into the sums."""
     src, tgt, calib = pair
-    stats = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, scope), batch_size=3, progress=False)
+    stats = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, scope), batch_size=3)
     for split, ids in (("fit", calib.fit), ("val", calib.val)):
         s, t = capture(src, ids), capture(tgt, ids)                         # everything in one batch
         for i, kind in enumerate("kv"):
@@ -70,19 +74,19 @@ class DiesAfter:
 
 
 def test_resume_is_bit_identical(pair, tmp_path):
-    """Through the fast adder (fast.add_batch). Guards: a checkpoint that misses products still pending
+    """Through the fast adder (fast.add_batches). Guards: a checkpoint that misses products still pending
     (Pending), and a resumed run that adds its pending products to the sums at other points than an
     unbroken run (with the same `every`)."""
     src, tgt, calib = pair
-    whole = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), batch_size=2, every=2,
-                       progress=False, add=fast.add_batch)
+    whole = accumulate_resumable(src, tgt, calib, new_stats(src.config, tgt.config, "head"), batch_size=2, every=2,
+                                 progress=False, add=fast.add_batches)
     path = tmp_path / "stats.safetensors"
     with pytest.raises(Interrupted):
-        accumulate(DiesAfter(src, 3), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2, save_s=0,
-                   progress=False, add=fast.add_batch)
+        accumulate_resumable(DiesAfter(src, 3), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path,
+                             every=2, save_s=0, progress=False, add=fast.add_batches)
     assert load_stats(path).seen == 4                                        # two rounds of a batch of two
-    resumed = accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2, save_s=0,
-                         progress=False, add=fast.add_batch)
+    resumed = accumulate_resumable(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, path, every=2,
+                                   save_s=0, progress=False, add=fast.add_batches)
     assert resumed.seen == len(calib.fit) + len(calib.val) and all_equal(resumed, whole)
     assert all_equal(load_stats(path), whole)
 
@@ -93,8 +97,8 @@ def test_checkpoints_come_by_wall_time_and_once_complete(pair, tmp_path, monkeyp
     final=False writes no complete pass. Guards: saving at every flush point again, or never by time."""
     src, tgt, calib = pair
     clock, saves = [0.0], []
-    monkeypatch.setattr(kvt.stats.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(kvt.stats, "save_stats", lambda stats, path: saves.append(stats.seen))
+    monkeypatch.setattr(calibration.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(calibration, "save_stats", lambda stats, path: saves.append(stats.seen))
 
     class Ticking:                                                          # 100 s per source forward pass
         def __init__(self, model):
@@ -108,12 +112,12 @@ def test_checkpoints_come_by_wall_time_and_once_complete(pair, tmp_path, monkeyp
             return self.model(*args, **kw)
 
     n = len(calib.fit) + len(calib.val)                                     # 10 sequences, 5 rounds of 2
-    accumulate(Ticking(src), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, tmp_path / "s", every=1,
-               save_s=250, progress=False)
+    accumulate_resumable(Ticking(src), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, tmp_path / "s",
+                         every=1, save_s=250, progress=False)
     assert saves == [6, n], saves                                           # 300 s in, then complete
     saves.clear()
-    accumulate(Ticking(src), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, tmp_path / "t", every=1,
-               save_s=250, final=False, progress=False)
+    accumulate_resumable(Ticking(src), tgt, calib, new_stats(src.config, tgt.config, "head"), 2, tmp_path / "t",
+                         every=1, save_s=250, final=False, progress=False)
     assert saves == [6], saves
 
 
@@ -122,23 +126,26 @@ def test_resume_refuses_other_data_plan_or_key(pair, tmp_path):
     src, tgt, calib = pair
     path = tmp_path / "stats.safetensors"
     short = Calibration(calib.fit[:4], calib.val, calib.diag)
-    accumulate(src, tgt, short, new_stats(src.config, tgt.config, "head", key="a"), path=path, progress=False)
+    accumulate_resumable(src, tgt, short, new_stats(src.config, tgt.config, "head", key="a"), path=path, progress=False)
     with pytest.raises(KvtError, match="other calibration sequences"):
-        accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head", key="a"), path=path, progress=False)
+        accumulate_resumable(src, tgt, calib, new_stats(src.config, tgt.config, "head", key="a"), path=path,
+                             progress=False)
     with pytest.raises(KvtError, match="another calibration plan"):
-        accumulate(src, tgt, short, new_stats(src.config, tgt.config, "layer", key="a"), path=path, progress=False)
+        accumulate_resumable(src, tgt, short, new_stats(src.config, tgt.config, "layer", key="a"), path=path,
+                             progress=False)
     with pytest.raises(KvtError, match="another pair or settings"):
-        accumulate(src, tgt, short, new_stats(src.config, tgt.config, "head", key="b"), path=path, progress=False)
+        accumulate_resumable(src, tgt, short, new_stats(src.config, tgt.config, "head", key="b"), path=path,
+                             progress=False)
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(KvtError, match="unreadable.*delete it"):
-        accumulate(src, tgt, short, new_stats(src.config, tgt.config, "head", key="a"), path=path, progress=False)
+        accumulate_resumable(src, tgt, short, new_stats(src.config, tgt.config, "head", key="a"), path=path, progress=False)
 
 
 def test_statistics_add_like_tensors(pair):
     """Two halves of the data, added, equal the whole (what all_reduce across ranks relies on)."""
     src, tgt, calib = pair
-    one = accumulate(src, tgt, Calibration(calib.fit[:3], calib.val[:1], calib.diag), new_stats(src.config, tgt.config, "head"), progress=False)
-    two = accumulate(src, tgt, Calibration(calib.fit[3:], calib.val[1:], calib.diag), new_stats(src.config, tgt.config, "head"), progress=False)
+    one = accumulate(src, tgt, Calibration(calib.fit[:3], calib.val[:1], calib.diag), new_stats(src.config, tgt.config, "head"))
+    two = accumulate(src, tgt, Calibration(calib.fit[3:], calib.val[1:], calib.diag), new_stats(src.config, tgt.config, "head"))
     whole = one + two
     for name in whole.sums:
         for f in FIELDS:
@@ -182,13 +189,13 @@ def test_head_scope_refuses_mismatched_kv(pair):
     src, tgt, calib = pair
     other = kvt.build_model(tiny_config("llama", n_kv_heads=1), seed=3)
     with pytest.raises(KvtError) as e:
-        calibrate(src, other, calib, scope="head", progress=False)
+        calibrate(src, other, calib, scope="head")
     assert "--scope layer" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_upper_part_of_the_gram_spans_chunks():
-    """The fast path accumulates xx as its upper part in chunks of CHUNK features; gram() and select()
-    restore it."""
+    """The fast path accumulates xx as its upper part in chunks of CHUNK features, then mirrors it onto the
+    lower part (fast.mirror_): gram() and select() read the whole sum."""
     from kvt.fast import CHUNK, add_fast_
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 300, 2 * CHUNK + 76, generator=g, dtype=torch.float64)
@@ -202,8 +209,8 @@ def test_upper_part_of_the_gram_spans_chunks():
 
 def test_float32_products_stay_close_to_float64(pair):
     src, tgt, calib = pair
-    run = lambda products: accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), progress=False,  # noqa: E731
-                                      add=partial(fast.add_batch, products=products))
+    run = lambda products: accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"),  # noqa: E731
+                                      add=partial(fast.add_batches, products=products))
     exact, quick = run(torch.float64), run(torch.float32)
     for name in exact.sums:
         for f in ("xx", "xy"):
@@ -216,8 +223,8 @@ def test_products_not_held_give_the_held_statistics(pair, monkeypatch):
     """As on a GPU (holds false): float32 products go into the float64 sums batch by batch and only the
     shift's share waits for the flush. Guards: that path adding the shift's share twice, or never."""
     src, tgt, calib = pair
-    run = lambda: accumulate(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2, every=2,  # noqa: E731
-                             progress=False, add=fast.add_batch)
+    run = lambda: accumulate_resumable(src, tgt, calib, new_stats(src.config, tgt.config, "head"), 2,  # noqa: E731
+                                       every=2, progress=False, add=fast.add_batches)
     held = run()
     monkeypatch.setattr(fast, "holds", lambda *args: False)
     direct = run()

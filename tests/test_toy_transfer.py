@@ -5,7 +5,7 @@ import torch
 import kvt
 from kvt.harness import evals, toy
 from kvt.harness.data import calibration_sequences
-from kvt.mapper import calibrate
+from kvt.calibrate import calibrate
 from kvt.harness.summary import summarize
 from kvt.harness.tasks import load_task
 from tests.conftest import ROOT
@@ -16,7 +16,7 @@ def test_transfer_keeps_recall():  # measured: target 1.00, transfer 0.92, floor
     source, target = (kvt.load_model(ROOT / "weights" / n) for n in ("toy-s", "toy-m"))
     tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
     calib = calibration_sequences(None, tok, 100, 256, documents=toy.corpus(1000, seed=99))
-    mapper, _ = calibrate(source, target, calib, progress=False)          # the paper's layer scope, k = 8 -> 2
+    mapper, _ = calibrate(source, target, calib)          # the paper's layer scope, k = 8 -> 2
     conds = evals.conditions(target, source, evals.transfer(source, target, mapper))
     items = load_task("toy_recall", None, 100)
     summary = summarize(list(evals.evaluate("toy_recall", items, tok, conds, progress=False)))["toy_recall"]

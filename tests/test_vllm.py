@@ -23,7 +23,8 @@ from kvt.harness import toy
 from kvt.harness.data import calibration_sequences
 from kvt.handoff import handoff
 from kvt.harness.diagnose import diagnose, gate
-from kvt.mapper import calibrate, save_mapper
+from kvt.harness.calibration import CalibrationOptions, calibrate
+from kvt.harness.files import save_mapper
 from kvt.config import KvtError
 from tests.conftest import ROOT, tiny_config
 
@@ -38,7 +39,7 @@ def test_kv_file_round_trip(tmp_path):
     """save_kv then load_kv gives back the cache (the first n slots when asked), and kv_header reads the
     fingerprints and ids without the KV; a file that is not a KV file is one line. Guards a loader that
     ignores n (the target would map the last prompt token's KV too) or a header that misreads the ids."""
-    from kvt.cache import kv_header, load_kv, save_kv
+    from kvt.harness.files import kv_header, load_kv, save_kv
     model = kvt.build_model(tiny_config(), seed=0)
     ids = list(range(3, 13))
     _, cache = model(torch.tensor([ids]), last=True)
@@ -94,7 +95,7 @@ def case(tmp_path_factory):
     ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
     tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
     calib = calibration_sequences(None, tok, 40, 128, documents=toy.corpus(1000, seed=99))
-    mapper, _ = calibrate(ks, kt, calib, progress=False)
+    mapper, _ = calibrate(ks, kt, calib, options=CalibrationOptions(progress=False))
     mapper.meta["tokenizer"] = tok.fingerprint()
     mapper.meta["diagnostics"] = diagnose(ks, kt, mapper, calib.diag)
     assert gate(mapper.meta["diagnostics"])[0], "the toy mapper should be fit; the test needs a fit one"
@@ -165,7 +166,7 @@ def test_fallbacks_run_the_targets_own_prefill(case):
     holds KV of the wrong shape) runs the target's own prefill and says why in kv_transfer_params.
     Guards serving a mismatched cache silently, and a failed load left in the blocks (vLLM recomputes
     the blocks the connector reports through get_block_ids_with_load_errors)."""
-    from kvt.cache import save_kv
+    from kvt.harness.files import save_kv
     tmp, kt, tok, mapper = case["tmp"], case["kt"], case["tok"], case["mapper"]
     p1, p2 = case["prompts"][1], case["prompts"][2]
     q1 = [p1[1]] + p1[1:]                                       # p1's length, another first token
@@ -221,7 +222,7 @@ def test_smollm2_through_both_engines_equals_kvt_handoff(smollm2, tmp_path, one_
     layer order that only holds for the toys' 2 layers of dim 32."""
     model, tok = kvt.load_model(smollm2), kvt.load_tokenizer(smollm2)
     calib = calibration_sequences(None, tok, 8, 128, documents=toy.corpus(400, seed=99))
-    mapper, _ = calibrate(model, model, calib, progress=False, scope="head")
+    mapper, _ = calibrate(model, model, calib, scope="head", options=CalibrationOptions(progress=False))
     mapper.meta["diagnostics"] = diagnose(model, model, mapper, calib.diag)
     save_mapper(mapper, tmp_path / "m.safetensors")
     text = tok.encode(" ".join(toy.corpus(8, seed=5)))

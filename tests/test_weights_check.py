@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 import kvt
 from kvt.config import KvtError
-from kvt.mapper import calibrate, check_pair_weights, load_mapper, save_mapper
+from kvt.harness.calibration import CalibrationOptions, calibrate, check_pair_weights
+from kvt.harness.files import load_mapper, save_mapper
 from kvt.weights import SAMPLE_COLS, fingerprint, folder_fingerprint, model_fingerprint, write_safetensors
 from tests.conftest import ROOT, calib_of
 
@@ -28,7 +29,7 @@ def fitted(tiny_pair, tmp_path_factory):
     """Models source and twin (one config), a mapper fitted source -> twin, and its file."""
     s, t = kvt.load_model(tiny_pair / "source"), kvt.load_model(tiny_pair / "twin")
     ids = torch.randint(0, s.config.vocab_size, (14, 32), generator=torch.Generator().manual_seed(0))
-    mapper, _ = calibrate(s, t, calib_of(ids), scope="head", k=1, lam=1e-9, progress=False)
+    mapper, _ = calibrate(s, t, calib_of(ids), scope="head", k=1, lam=1e-9, options=CalibrationOptions(progress=False))
     path = tmp_path_factory.mktemp("weights_check") / "m.safetensors"
     save_mapper(mapper, path)
     return s, t, mapper, path

@@ -28,8 +28,8 @@ Streaming. w is linear in alpha, so every weighted sum is (1 - alpha) (plain sum
 sum) (blend). The plain sums are calibration's own (stats.py, the head-level first pass, which also
 selects the layers); this module streams the r-weighted ones, sum r x x^T, sum r x y^T, sum r x,
 sum r y, sum r y^2, and sum r^2 for the ESS rule, in a second pass over the same sequences, in float64,
-checkpointed, resumable and data parallel as stats.accumulate does (it runs that loop, with
-capture_weighted and add_weighted). Their features differ per target layer (its own selected source
+checkpointed, resumable and data parallel as the first (calibration.weighted_fits runs
+calibration.accumulate_resumable with capture_weighted and add_weighted). Their features differ per target layer (its own selected source
 layers), so the groups are (target layer, head): G = Lt * Hkv, F = k * D, O = D. Alpha = 0 gives the
 plain sums exactly, hence today's fit (tests/test_attnfit.py). The Sums of the r-weighted sums keep
 sum r^2 per group in their `n` (sum r is n itself).
@@ -38,8 +38,6 @@ Alpha is picked per (target layer, head, kind) on the fit region and applied to 
 region's sums too; lambda is picked on the weighted validation error, and the R^2 reported is the
 plain (unweighted) validation R^2 of that fit, comparable with a uniform fit's.
 """
-import hashlib
-import json
 import math
 
 import torch
@@ -48,7 +46,7 @@ from kvt import rope
 from kvt.capture import features, layer_features
 from kvt.config import KvtError, check_matched_kv
 from kvt.ridge import LAMBDAS, _check_val, best_lambda, eigen, sse, sst
-from kvt.stats import KINDS, SAVE_S, SPLITS, Stats, Sums, accumulate, blocks, groups
+from kvt.stats import KINDS, SPLITS, Stats, Sums, blocks, groups
 
 BOUNDARIES = 32  # prefix lengths per calibration sequence at which the target's query is taken
 
@@ -109,16 +107,18 @@ def new_weighted_stats(src_cfg, tgt_cfg, selected, device=None, key=""):
                  meta={"selected": {kind: selected[kind].tolist() for kind in KINDS}})
 
 
-def add_weighted(stats, split, src_kv, tgt_kvr, pending=None):
-    """stats.add_batch's twin for the r-weighted sums: one batch of source KV (capture) and target KV
-    with its weights (capture_weighted) added to a split, in float64 (pending: unused)."""
-    device = stats.part("k", split).xx.device
-    for i, kind in enumerate(KINDS):
-        sel = stats.meta["selected"][kind]                                  # (Lt, k) source layers, ascending
-        x = torch.cat([features([src_kv[i][l].to(device) for l in row], "head").flatten(2) for row in sel])
-        y = torch.cat([layer_features(t.to(device), "head") for t in tgt_kvr[i]])        # (Lt*G, N, D)
-        r = torch.cat([layer_features(t.to(device)[..., None], "head")[..., 0] for t in tgt_kvr[2 + i]])  # (Lt*G, N)
-        add_r_(stats.sums[f"{kind}.{split}"], x, y, r)                     # x: (Lt*G, N, k*D)
+def add_weighted(stats, stream):
+    """stats.add_batches' twin for the r-weighted sums: each batch of source KV (capture) and target KV
+    with its weights (capture_weighted) added to its split, in float64. Returns stats."""
+    for split, src_kv, tgt_kvr in stream:
+        device = stats.part("k", split).xx.device
+        for i, kind in enumerate(KINDS):
+            sel = stats.meta["selected"][kind]                              # (Lt, k) source layers, ascending
+            x = torch.cat([features([src_kv[i][l].to(device) for l in row], "head").flatten(2) for row in sel])
+            y = torch.cat([layer_features(t.to(device), "head") for t in tgt_kvr[i]])    # (Lt*G, N, D)
+            r = torch.cat([layer_features(t.to(device)[..., None], "head")[..., 0] for t in tgt_kvr[2 + i]])  # (Lt*G, N)
+            add_r_(stats.sums[f"{kind}.{split}"], x, y, r)                 # x: (Lt*G, N, k*D)
+    return stats
 
 
 def add_r_(s, x, y, r):
@@ -189,22 +189,3 @@ def fit_layers(stats, wstats, kind, selected, lams=LAMBDAS, skipped=None, host=F
         if alphas is not None:
             alphas[t] = a.tolist()
     return out
-
-
-def weighted_fits(source, target, calib, stats, selected, lams, skipped, batch_size=1, checkpoint=None, key="",
-                  save_s=SAVE_S, progress=True):
-    """Step 4 of mapper.calibrate with attention weights: a second pass over calib (stats.accumulate with
-    capture_weighted and add_weighted) streams the r-weighted sums of every target layer's selected
-    source layers (selected: kind -> (Lt, k)), checkpointed as CHECKPOINT.attn-<id of the selection>;
-    then fit_layers blends them into the first pass's plain sums `stats` per kind. Returns (fits
-    {kind: {target layer: (W, b, R^2, lambda)}}, alphas {kind: {target layer: [alpha per head]}});
-    skipped {kind: {}} (calibrate's) gets the singular lambdas."""
-    sel_id = hashlib.sha256(json.dumps({kind: selected[kind].tolist() for kind in KINDS}).encode()).hexdigest()[:8]
-    device = stats.part("k", "fit").xx.device
-    wstats = new_weighted_stats(source.config, target.config, selected, device, f"{key}-attn-{sel_id}")
-    accumulate(source, target, calib, wstats, batch_size, checkpoint and f"{checkpoint}.attn-{sel_id}",
-               save_s=save_s, progress=progress, add=add_weighted, capture_target=capture_weighted)
-    alphas = {kind: {} for kind in KINDS}
-    fits = {kind: fit_layers(stats, wstats, kind, selected[kind], lams, skipped[kind], host=True, alphas=alphas[kind])
-            for kind in KINDS}
-    return fits, alphas

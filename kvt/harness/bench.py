@@ -45,7 +45,8 @@ from kvt.config import KvtError, at_least, command, parse_pair, plain_requested,
 from kvt.harness.dist import check_devices
 from kvt.fast import keep_freed_memory, map_cache
 from kvt.handoff import Recompute, take_over
-from kvt.mapper import Mapper, check_pair_weights
+from kvt.harness.calibration import check_pair_weights
+from kvt.mapper import Mapper
 from kvt.model import Transformer
 from kvt.loading import build_model, layer_devices
 from kvt.harness.plan import forward_flops

@@ -1,6 +1,6 @@
 """Figures: the source-layer x target-layer R^2 map and the layers selection chose, in a terminal or a PNG.
 
-Calibration's first pass (mapper.calibrate) fits every target layer from every single source layer and
+Calibration's first pass (kvt/calibrate.py) fits every target layer from every single source layer and
 keeps the held-out R^2 of each fit: an (Ls, Lt) map, report["r2_single"][kind]. Selection then takes
 the k best rows of each column. heatmap() draws that map with unicode shades (one row per source layer,
 one column per target layer, `*` on the chosen cells); save_png() draws it with matplotlib when that
@@ -341,8 +341,7 @@ def main(argv=None):
     from kvt.harness import toy
     from kvt.config import find_weights, matched_kv, parse_pair
     from kvt.harness.data import calibration_sequences, check_same_tokenizer
-    from kvt import fast
-    from kvt.mapper import calibrate
+    from kvt.calibrate import calibrate
 
     at_least("k", args.k)
     at_least("calib-seqs", args.calib_seqs)
@@ -363,8 +362,7 @@ def main(argv=None):
     source = kvt.load_model(src_dir, device=args.device)
     target = kvt.load_model(tgt_dir, device=args.device)
     matched = matched_kv(src_cfg, target.config)
-    mapper, report = calibrate(source, target, calib, "head" if matched else "layer", k=args.k, lam=args.lam,
-                               progress=False, add=fast.add_batch)
+    mapper, report = calibrate(source, target, calib, "head" if matched else "layer", k=args.k, lam=args.lam)
     src_layers = list(range(src_cfg.n_layers))
     print(f"{src_name} -> {tgt_name}: validation R^2 of each target layer fitted from one source layer "
           f"({args.calib_seqs} x {args.calib_len} calibration tokens, lambda "

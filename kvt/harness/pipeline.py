@@ -19,7 +19,7 @@ each a function here calling into one kvt stage:
      load_pair): the pair is matched-KV (or --scope layer), both tokenizers are the same, weights and task
      data are present, the contexts fit the models, the memory plan fits; the calibration sequences in
      three disjoint regions (data.py);
-  2. get_mapper: statistics, layer selection, ridge (mapper.calibrate), saved to
+  2. get_mapper: statistics, layer selection, ridge (harness/calibration.py), saved to
      OUT/mapper-<settings>.safetensors and reused when it exists; `--mapper mlp` swaps ridge for the
      paper's MLP, `--mapper ridge+mlp` adds kvt's residual one;
   3. check_mapper: diagnostics on the diagnostics region and the gate (harness/diagnose.py);
@@ -57,12 +57,10 @@ from kvt.harness.data import calibration_sequences, check_same_tokenizer, heldou
 from kvt.harness.figures import retention_png
 from kvt.harness.diagnose import MAX_KL, MIN_ATTN_COS, diagnose, format_diagnostics, gate, next_nll
 from kvt.handoff import Recompute
-from kvt.mapper import FORMAT as MAPPER_FORMAT
-from kvt.mapper import add_mlp, calibrate, check_pair_weights, load_mapper, save_mapper
+from kvt.harness.calibration import CalibrationOptions, add_mlp, calibrate, check_pair_weights
+from kvt.harness.files import MAPPER_FORMAT, STATS_FORMAT, load_mapper, save_mapper, short_id
 from kvt.loading import check_weights, layer_devices
 from kvt.harness.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
-from kvt.stats import FORMAT as STATS_FORMAT
-from kvt.stats import add_batch as stats_add_batch
 from kvt.harness.summary import (CORPUS, average_retention, context_gain, coqa_agreement, coqa_turns, lm_eval_results,
                           summarize)
 from kvt.weights import fingerprint
@@ -339,7 +337,7 @@ def resolve(s):
 
 
 def short_hash(obj):
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return short_id(obj)
 
 
 def stats_key(s, src_dir, tgt_dir, calib):
@@ -390,11 +388,11 @@ def get_mapper(s, source, target, tok, calib, out, skey, dtype, group=None):
         return mapper.to(dtype=dtype), name
     stats = out / f"stats-{short_hash(skey)}"
     t0 = time.time()
-    mapper, report = calibrate(source, target, calib, s.scope, s.k, s.lam, checkpoint=stats,
-                               key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
-                               stats_dtype=getattr(torch, s.stats_dtype), candidates=s.candidates,
-                               progress=dist.rank() == 0, keep_stats=s.keep_stats, weights=s.token_weights,
-                               add=stats_add_batch if s.plain else fast.add_batch)
+    options = CalibrationOptions(checkpoint=stats, key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
+                                 stats_dtype=getattr(torch, s.stats_dtype), candidates=s.candidates,
+                                 progress=dist.rank() == 0, keep_stats=s.keep_stats, weights=s.token_weights,
+                                 plain=s.plain)
+    mapper, report = calibrate(source, target, calib, s.scope, s.k, s.lam, options=options)
     if s.mapper in MLP_MODES:
         mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[s.mapper], progress=dist.rank() == 0,
                          checkpoint=out / f"mlp-{name}", key=short_hash(key))

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvt.config import KvtError, at_least, check_matched_kv, command, matched_kv, parse_pair, shape
+from kvt.fast import holds
 from kvt.loading import layer_device
 from kvt.stats import candidate_layers, groups
 
@@ -148,12 +149,6 @@ def working_bytes(src_cfg, tgt_cfg, devices, tokens, dtype=torch.float32):
 
 
 # ---- calibration's statistics: what each pass holds --------------------------------------------------
-
-def holds(device, dtype, products=torch.float32):
-    """Whether float32 products are held apart from sums of `dtype` on `device` (fast.Pending): on a CPU,
-    where adding them to float64 sums batch by batch cost as much as the products themselves."""
-    return torch.device(device).type == "cpu" and dtype != products
-
 
 def sums_bytes(G, F, O, itemsize=8):
     """Bytes of the four Sums (K, V x fit, val) of one Stats (float64: itemsize 8; float32: 4)."""
@@ -475,7 +470,7 @@ def eval_batch(src_cfg, tgt_cfg, cap, context, choices=4, new_tokens=256, scope=
 
 def disk_plan(p):
     """[(what, bytes)] the output folder holds at most at once while the plan's mapper is made
-    (mapper.calibrate with keep_stats=False, then run.py, which deletes the statistics once the mapper is
+    (calibration.calibrate with keep_stats=False, then run.py, which deletes the statistics once the mapper is
     saved): the first pass's statistics, kept to resume from, twice while its checkpoint is rewritten (a
     .tmp, then a rename), or beside one later pass's checkpoint (the previous one deleted before the
     next is written) and the fits of the passes done so far; then the mapper file (float32)."""

@@ -1,7 +1,7 @@
 """transformers interop: a DynamicCache <-> a kvt Cache, and a handoff between two transformers models.
 
     import kvt, kvt.integrations.hf
-    from kvt.mapper import calibrate
+    from kvt.calibrate import calibrate
     from transformers import AutoModelForCausalLM
 
     tok = kvt.load_tokenizer("weights/toy-m")                     # calib: data.calibration_sequences(...)
@@ -27,7 +27,8 @@ import torch
 from kvt import fast
 from kvt.cache import Cache
 from kvt.config import KvtError, config_from_dict
-from kvt.mapper import Mapper, check_pair_weights
+from kvt.harness.calibration import check_pair_weights
+from kvt.mapper import Mapper
 from kvt.model import check_ids
 
 try:
@@ -74,7 +75,7 @@ def kvt_config(model):
 
 def check_pair(source, target, mapper):
     """The transformers models must be the pair the mapper was fitted for, in config and in weights
-    (mapper.check_pair_weights); else one line saying which differs."""
+    (harness.calibration.check_pair_weights); else one line saying which differs."""
     for what, model, cfg in (("source", source, mapper.src_cfg), ("target", target, mapper.tgt_cfg)):
         have = kvt_config(model).fingerprint()
         if have != cfg.fingerprint():
@@ -94,7 +95,7 @@ def transfer(source, target, mapper, input_ids, attention_mask=None, plain=False
     tokens kvt's handoff + kvt.generate give. The cache is used once: generate appends to it. plain:
     fast.map_cache's (Mapper.apply rather than its fast twin)."""
     if not isinstance(mapper, Mapper):
-        raise KvtError(f"mapper must be a kvt Mapper (kvt.mapper.calibrate or load_mapper), not {type(mapper).__name__}")
+        raise KvtError(f"mapper must be a kvt Mapper (kvt.calibrate.calibrate or load_mapper), not {type(mapper).__name__}")
     check_pair(source, target, mapper)
     check_ids(input_ids, min(mapper.src_cfg.vocab_size, mapper.tgt_cfg.vocab_size))  # (B, T) ids both models know
     B, T = input_ids.shape

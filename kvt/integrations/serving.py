@@ -36,10 +36,10 @@ import torch
 from safetensors import SafetensorError
 
 from kvt import fast
-from kvt.cache import Cache, kv_header, load_kv, save_kv
+from kvt.cache import Cache
 from kvt.config import KvtError, load_config, plain_requested
 from kvt.harness.diagnose import gate
-from kvt.mapper import load_mapper
+from kvt.harness.files import kv_header, load_kv, load_mapper, save_kv
 from kvt.tokenizer import load_tokenizer
 
 try:

@@ -46,6 +46,8 @@ from safetensors.torch import load_file, save_file
 import kvt
 from kvt.harness import bench, scoring, summary, toy
 from kvt import handoff, mapper, ridge, rope, stats
+from kvt.calibrate import calibrate
+from kvt.harness import calibration
 from kvt.capture import layer_features
 from kvt.config import Config, KvtError
 from kvt.harness.data import calibration_sequences
@@ -860,8 +862,8 @@ def grade(folder, grader, timeout=600):
 # must hold, whether it does)]). In the student copy make cuts their bodies (ANSWER_CODE), as it stubs.
 
 def greedy_layers(stats, kind, k, lams=ridge.LAMBDAS):
-    """Exercise 5's rule, a `select` for mapper.calibrate: per target layer, start from no source layer and
-    add, k times, the one that raises the validation R^2 of the joint fit the most. (Lt, k), ascending."""
+    """Exercise 5's rule, a `select` for harness.calibration.calibrate: per target layer, start from no source
+    layer and add, k times, the one that raises the validation R^2 of the joint fit the most. (Lt, k), ascending."""
     chosen = [[] for _ in stats.tgt_layers]                          # per target layer, in stats.tgt_layers order
     for _ in range(min(k, len(stats.src_layers))):
         best = [(-math.inf, None)] * len(chosen)
@@ -923,7 +925,7 @@ def answer_1():
 def answer_2():
     """Exercise 2, a control: toy-m -> toy-l against a random model of toy-m's shape, layer scope, k = 2."""
     target, calib = toy_model("toy-l"), toy_calibration()
-    reports = {name: mapper.calibrate(m, target, calib, k=2, progress=False)[1]
+    reports = {name: calibrate(m, target, calib, k=2, plain=True)[1]
                for name, m in (("toy-m", toy_model("toy-m")), ("random", kvt.build_model(toy_model("toy-m").config, seed=0)))}
     lines = [f"  {name:<7} R^2 {kind.upper()} per target layer " + " ".join(f"{v:.3f}" for v in r["r2"][kind].tolist())
              for kind in ("k", "v") for name, r in reports.items()]
@@ -938,7 +940,7 @@ def answer_2():
 def answer_3():
     """Exercise 3, vary k: toy-l (4 layers) -> toy-m, layer scope, k = 1 to 4; mean validation R^2."""
     source, target, calib = toy_model("toy-l"), toy_model("toy-m"), toy_calibration()
-    r2 = {k: mapper.calibrate(source, target, calib, k=k, progress=False)[1]["r2"] for k in (1, 2, 3, 4)}
+    r2 = {k: calibrate(source, target, calib, k=k, plain=True)[1]["r2"] for k in (1, 2, 3, 4)}
     lines = [f"  k = {k}: mean R^2 K {r['k'].mean():.4f}, V {r['v'].mean():.4f}" for k, r in r2.items()]
     means = [r2[k][kind].mean().item() for kind in ("k", "v") for k in (1, 4)]
     return lines, [("R^2 at k = 4 (every layer) is at least R^2 at k = 1, for K and for V",
@@ -948,7 +950,7 @@ def answer_3():
 def answer_4():
     """Exercise 4, vary lambda: toy-m -> toy-l, layer scope, k = 2, on 8, 40 and 200 calibration sequences."""
     source, target = toy_model("toy-m"), toy_model("toy-l")
-    lams = {n: mapper.calibrate(source, target, toy_calibration(n), k=2, progress=False)[1]["lambda"] for n in (8, 40, 200)}
+    lams = {n: calibrate(source, target, toy_calibration(n), k=2, plain=True)[1]["lambda"] for n in (8, 40, 200)}
     lines = [f"  {n:>3} sequences: lambda K {lam['k']}, V {lam['v']}" for n, lam in lams.items()]
     geo = {n: sum(math.log10(v) for kind in ("k", "v") for v in lam[kind]) for n, lam in lams.items()}
     return lines, [("the chosen lambdas (their geometric mean) move down from 8 to 200 sequences", geo[200] < geo[8])]
@@ -958,7 +960,8 @@ def answer_5():
     """Exercise 5, better selection: toy-l (4 layers) -> toy-m, head scope, k = 2: top-k by single-layer R^2
     against greedy forward selection (greedy_layers)."""
     source, target, calib = toy_model("toy-l"), toy_model("toy-m"), toy_calibration()
-    runs = {name: mapper.calibrate(source, target, calib, scope="head", k=2, select=rule, progress=False)
+    runs = {name: calibration.calibrate(source, target, calib, scope="head", k=2,
+                                        options=calibration.CalibrationOptions(progress=False, select=rule, plain=True))
             for name, rule in (("top-k", None), ("greedy", greedy_layers))}
     lines = [f"  {name:<6} layers K {m.layers['k'].tolist()}, V {m.layers['v'].tolist()}; R^2 K "
              + " ".join(f"{v:.4f}" for v in r["r2"]["k"].tolist()) + ", V " + " ".join(f"{v:.4f}" for v in r["r2"]["v"].tolist())
