@@ -49,7 +49,7 @@ from kvt.loading import build_model, load_model
 from kvt.tokenizer import load_tokenizer
 from kvt.weights import fingerprint, save_model, write_safetensors
 
-SHARED = Path(os.environ.get("KVT_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+SHARED = Path(os.environ.get("KVT_SHARED", Path(__file__).resolve().parents[3] / "shared"))  # ../shared
 CALIB = SHARED / "data" / "calib"
 STATE = "heal-state.safetensors"
 
