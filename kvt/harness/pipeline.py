@@ -979,7 +979,8 @@ def gain_section(gains):
     return ["", "## Context gain kept (held-out next-token NLL, nats; 95% interval over windows)", "",
             "The next tokens' NLL on held-out text after a context, under target, transfer and floor; context gain "
             "kept = (floor - transfer) / (floor - target), the share of what the context takes off the floor's NLL "
-            "that the transfer keeps.", "", format_context_gain(gains)]
+            "that the transfer keeps (no ratio, and why, where the target gains nothing from the context).", "",
+            format_context_gain(gains)]
 
 
 def coqa_section(coqa):
