@@ -18,8 +18,8 @@ import sys
 
 from kvt.config import command
 
-COMMANDS = {"run": "pipeline", "bench": "bench", "plan": "plan", "toy": "toy", "family": "family", "figures": "figures",
-            "cascade": "cascade", "course": "course"}
+COMMANDS = {"run": "harness.pipeline", "bench": "harness.bench", "plan": "harness.plan", "toy": "harness.toy",
+            "family": "teach.family", "figures": "harness.figures", "cascade": "teach.cascade", "course": "teach.course"}
 RESUMES = {"run", "family"}  # commands whose rerun picks up the checkpoints an interrupted one left
 EXIT_USER_ERROR = 2
 USAGE = "usage: kvt <command> [options]; `kvt <command> --help` lists a command's options"

@@ -74,7 +74,7 @@ def headline_check(device, out, small):
     from kvt.harness import pipeline
     from kvt.harness.bench import peak_memory_gb, reset_peak_memory
     from kvt.config import shape
-    from kvt.harness.plan import capacity, plan, split_to_fit
+    from kvt.harness.plan import Options, capacity, plan, split_to_fit
     from kvt.weights import save_model
     shared = Path(__file__).resolve().parents[1].parent / "shared"
     names = ("qwen3-0.6b", "qwen3-0.6b") if small else ("qwen3-14b", "qwen3-32b")
@@ -103,7 +103,8 @@ def headline_check(device, out, small):
     cap = capacity([device])
     need = 0
     for a, b in ((src_cfg, tgt_cfg), (tgt_cfg, src_cfg)):                 # both mappers, as run.py plans them
-        p = split_to_fit(plan(a, b, "layer", k, context, dtype, [device], calib_len=length, bench=a is src_cfg), cap)
+        p = split_to_fit(plan(a, b, Options("layer", k, context=context, dtype=dtype, devices=[device], calib_len=length,
+                                            bench=a is src_cfg)), cap)
         need = max(need, max(p.need().values()))
     lines = [f"headline rehearsal: {names[0]} (3 layers) -> {names[1]} (4 layers), random weights, {dtype}, "
              f"{bench.hardware(device)}",

@@ -25,7 +25,7 @@ from kvt.harness import pipeline
 from kvt.harness.bench import bench, peak_memory_gb, random_mapper, reset_peak_memory
 from kvt.config import KvtError, shape
 from kvt.harness.calibration import CalibrationOptions, calibrate
-from kvt.harness.plan import disk_plan, plan
+from kvt.harness.plan import Options, disk_plan, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MARGIN, SLACK, TIGHT = 0.05, 4 * 2**20, 0.4
@@ -77,7 +77,7 @@ def check_bound(got, planned, what):
 def calibration_bound(scope, src_cfg, tgt_cfg, n=10, T=64, k=2):
     src, tgt = kvt.build_model(src_cfg, seed=0), kvt.build_model(tgt_cfg, seed=1)
     calib = calib_of(torch.randint(0, src_cfg.vocab_size, (n, T), generator=torch.Generator().manual_seed(0)))
-    p = plan(src_cfg, tgt_cfg, scope, k=k, context=T, dtype=torch.float32, devices=["cpu"], calib_len=T)
+    p = plan(src_cfg, tgt_cfg, Options(scope, k=k, context=T, dtype=torch.float32, devices=["cpu"], calib_len=T))
     planned = max(p.total(ph, "cpu") for ph in p.phases() if ph.startswith("calibration"))
     got = measured(lambda: calibrate(src, tgt, calib, scope=scope, k=k, options=CalibrationOptions(progress=False)))
     check_bound(got, planned, f"{scope}-scope calibration")
@@ -108,7 +108,7 @@ def bench_bound():
     s, t = scaled(layers=3), scaled(layers=4)
     small, large = kvt.build_model(s, seed=0), kvt.build_model(t, seed=1)
     T = 512
-    p = plan(s, t, "layer", k=2, context=T, dtype=torch.float32, devices=["cpu"], calibrate=False, bench=True)
+    p = plan(s, t, Options("layer", k=2, context=T, dtype=torch.float32, devices=["cpu"], calibrate=False, bench=True))
     planned = max(p.total(ph, "cpu") for ph in p.phases() if ph.startswith("bench"))
     fwd, back = random_mapper(s, t, "layer", 2), random_mapper(t, s, "layer", 2, seed=1)
     got = measured(lambda: bench(small, large, fwd, back, [T], repeats=1, names=("s", "l")))
@@ -217,7 +217,7 @@ def test_the_headline_plan_meets_its_goals():
     resident tensor it once did, or defaults that no longer meet the goals."""
     from kvt.harness.plan import headline_times, rehearsal
     src, tgt = shape("qwen3-14b"), shape("qwen3-32b")
-    text, got = rehearsal(src, tgt, ("qwen3-14b", "qwen3-32b"), context=32768)
+    text, got = rehearsal(src, tgt, ("qwen3-14b", "qwen3-32b"), Options(context=32768))
     assert got["spare"] >= 0.08 and got["disk"] <= 100e9 and got["seconds"] < 2 * 3600, got
     prefill, _ = headline_times(src, tgt)
     assert abs(prefill / 6.98 - 1) < 0.15

@@ -9,8 +9,8 @@ from kvt.config import KvtError, shape
 from kvt.harness.calibration import CalibrationOptions, calibrate
 from kvt.model import Transformer
 from kvt.loading import place
-from kvt.harness.plan import (GPUS, USABLE, calibration_passes, capacity, check_plan, fits, memory_plan, plan, split_to_fit,
-                      weight_bytes)
+from kvt.harness.plan import (GPUS, USABLE, Options, calibration_passes, capacity, check_plan, fits, memory_plan, plan,
+                              split_to_fit, weight_bytes)
 from kvt.stats import new_stats
 
 GiB = 2**30
@@ -60,7 +60,7 @@ def closed_form(src, tgt, scope, k=8, T=32768, N=1024, group=None):
 @pytest.mark.parametrize("names", PAIRS, ids=lambda n: ":".join(n))
 def test_plan_equals_the_closed_form(names, scope):
     src, tgt = map(shape, names)
-    p = plan(src, tgt, scope, k=8, context=32768, dtype=torch.bfloat16, devices=["cuda:0"], calib_len=1024)
+    p = plan(src, tgt, Options(scope, k=8, context=32768, dtype=torch.bfloat16, devices=["cuda:0"], calib_len=1024))
     rows, need = closed_form(src, tgt, scope)
     by = {what: where["cuda:0"] for _, what, where in p.rows if "cuda:0" in where}
     assert sum(v for what, v in by.items() if "weights" in what) == rows["weights"]
@@ -83,19 +83,19 @@ def test_layer_scope_split_to_fit_one_h200_and_two_to_eight_h100s(names):
             continue                                                    # the weights alone do not fit
         devices = [f"cuda:{i}" for i in range(n)]
         cap = capacity(devices, gpu)
-        whole = plan(src, tgt, "layer", context=32768, devices=devices)
+        whole = plan(src, tgt, Options("layer", context=32768, devices=devices))
         assert not fits(whole, cap)
         p = split_to_fit(whole, cap)
-        g = p.options["group"]
+        g = p.options.group
         assert fits(p, cap) and g is not None and calibration_passes(p) == 1 + -(-tgt.n_layers // g), (gpu, n)
-        assert not fits(plan(src, tgt, "layer", context=32768, devices=devices, group=g + 1), cap)
+        assert not fits(plan(src, tgt, Options("layer", context=32768, devices=devices, group=g + 1)), cap)
         if n == 1:
             assert p.need()["cuda:0"] == closed_form(src, tgt, "layer", group=g)[1]
 
 
 def test_two_devices_split_layers_and_keep_statistics_on_the_first():
     src, tgt = shape("llama3.1-8b"), shape("llama3.1-70b")                   # 32 and 80 layers: halves
-    p = plan(src, tgt, "head", context=32768, devices=["cuda:0", "cuda:1"])
+    p = plan(src, tgt, Options("head", context=32768, devices=["cuda:0", "cuda:1"]))
     by = {what: where for _, what, where in p.rows}
     T, Hkv, D = 32768, 8, 128
     assert by["source KV, 1 x 32768 tokens"] == {d: 2 * T * Hkv * D * 16 * 2 for d in ("cuda:0", "cuda:1")}
@@ -129,16 +129,16 @@ def test_a_plan_that_does_not_fit_says_what_would():
     """Guards: a one-line refusal that names options which would not fit either, or none that would."""
     src, tgt = shape("qwen3-14b"), shape("qwen3-32b")
     one = ["cuda:0"]
-    check_plan(plan(src, tgt, "layer", context=32768, devices=one), capacity(one, "h200"))  # fits once split
+    check_plan(plan(src, tgt, Options("layer", context=32768, devices=one)), capacity(one, "h200"))  # fits once split
     with pytest.raises(KvtError) as e:
-        check_plan(plan(src, tgt, "layer", context=32768, devices=one), capacity(one, "h100"))
+        check_plan(plan(src, tgt, Options("layer", context=32768, devices=one)), capacity(one, "h100"))
     msg = str(e.value)
     assert "\n" not in msg and "would fit: 2 devices of 80 GiB" in msg and "--scope head on 2 devices" not in msg, msg
     src, tgt = shape("llama3.1-8b"), shape("llama3.1-70b")
     with pytest.raises(KvtError, match="would fit: 3 devices"):                             # 141 GiB of weights
-        check_plan(plan(src, tgt, "head", context=32768, devices=one), capacity(one, "h100"))
+        check_plan(plan(src, tgt, Options("head", context=32768, devices=one)), capacity(one, "h100"))
     three = ["cuda:0", "cuda:1", "cuda:2"]
-    check_plan(plan(src, tgt, "head", context=32768, devices=three), capacity(three, "h100"))
+    check_plan(plan(src, tgt, Options("head", context=32768, devices=three)), capacity(three, "h100"))
 
 
 def test_capacity_of_named_gpus_and_meta():

@@ -630,10 +630,11 @@ def test_plan_bench_and_cascade_arguments_are_one_line(world, module, args, word
     there; cascade accepting --tokens 0, --frac 5, --k 0 or a large:small --shapes, and tracebacks on a
     results.json, a missing records file, a missing or broken --bench file."""
     import importlib
+    from kvt.cli import COMMANDS
     done = world["done"]
     args = [str(the(done, "records-*")) if a == "R" else a.replace("DONE", str(done)) for a in args]
     with pytest.raises(KvtError) as e:
-        importlib.import_module(f"kvt.{module}").main(args)
+        importlib.import_module(f"kvt.{COMMANDS[module]}").main(args)
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
 

@@ -1,14 +1,19 @@
 """run.py end to end on small models: the exact pair and the identity pair keep 100% of the target's
 accuracy, and a stopped run resumes to the same results."""
+import contextlib
+import io
 import json
+import re
 import shutil
 
 import pytest
 import torch
 
 import kvt
-from tests.conftest import ROOT, SHARED
+from kvt.config import KvtError
 from kvt.harness import pipeline as run
+from kvt.harness.plan import USABLE
+from tests.conftest import ROOT, SHARED
 
 ARGS = ["--tasks", "toy_recall,toy_count", "--limit", "12", "--calib-seqs", "20", "--calib-len", "48", "--k", "2",
         "--lam", "1e-6", "--no-bench"]
@@ -178,3 +183,76 @@ def test_plain_runs_no_fast_twin(pair, tmp_path, monkeypatch, how):
     argv[argv.index("toy_recall,toy_count")] = "toy_recall,toy_recall_gen"       # a generating task: decoding too
     results = run.main(argv + (["--plain"] if how == "--plain" else []))
     assert results["diagnostics"]["kl"] < 1e-4
+
+
+# ---- what a newcomer reads: the console, report.md, the files' names (issue 55) ------------------------------
+
+BAR = re.compile(r"\d+%\|")  # a tqdm progress bar
+
+
+def test_a_run_says_little_before_its_work_and_names_its_mapper_by_the_k_it_used(pair, tmp_path):
+    """A run prints at most 10 lines before the progress bar of its first statistics (after the memory plan),
+    the plan in one line; its mapper's file carries the k it used (3: the source has 3 layers, k=8 asked),
+    and a rerun finds and reuses that file. Guards: the whole 35-row plan printed before every run (33 rows of
+    0.00 GiB on a toy pair); a mapper-...-k8-... file holding a k=3 mapper; a name that a rerun does not find."""
+    argv = ["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path)] + ARGS
+    argv += ["--k", "8"]
+    seen = io.StringIO()
+    with contextlib.redirect_stdout(seen), contextlib.redirect_stderr(seen):   # one stream, in the order printed
+        results = run.main(argv)
+    text = seen.getvalue().replace("\r", "\n")
+    plan_at = text.index("memory plan:")
+    work = BAR.search(text, plan_at).start()                                   # the first bar after the plan
+    said = [line for line in text[:work].splitlines() if line.strip() and not BAR.search(line)]
+    assert len(said) <= 10, "\n".join(said)
+    assert results["k_used"] == 3 and results["mapper"].startswith("layer-k3-ridge-")
+    files = [f.name for f in tmp_path.glob("mapper-*.safetensors")]
+    assert files == [f"mapper-{results['mapper']}.safetensors"]
+    seen = io.StringIO()
+    with contextlib.redirect_stdout(seen), contextlib.redirect_stderr(seen):
+        again = run.main(argv)
+    assert "reusing" in seen.getvalue() and again["mapper"] == results["mapper"]
+    assert [f.name for f in tmp_path.glob("mapper-*.safetensors")] == files
+
+
+def test_the_plan_in_full_when_asked_or_nearly_full_and_a_refusal_when_it_does_not_fit(pair, monkeypatch, capsys):
+    """Guards: a one-line plan where a device is more than half full (the rows that say what fills it
+    hidden), --show-plan ignored, or the refusal lost with the table."""
+    cfg = kvt.load_config(pair / "source")
+
+    def printed(**settings):
+        s = run.Settings(source=pair / "source", target=pair / "twin", **settings)
+        plans, cap = run.plan_memory(s, cfg, cfg, ("source", "twin"), False, [64], torch.float32, ["cpu"])
+        return capsys.readouterr().out.splitlines(), plans["forward"]
+    lines, p = printed()
+    assert len(lines) == 1 and lines[0].startswith("memory plan: source -> twin needs ") and "--show-plan" in lines[0]
+    assert len(printed(show_plan=True)[0]) == len(p.rows) + 6            # head, what it shows, columns, need, usable, verdict
+    need = p.need()["cpu"]
+    monkeypatch.setattr(run, "capacity", lambda devices: {"cpu": need / (0.6 * USABLE)})     # 60% full: every row
+    assert len(printed()[0]) == len(p.rows) + 6
+    monkeypatch.setattr(run, "capacity", lambda devices: {"cpu": need / (1.5 * USABLE)})     # does not fit
+    with pytest.raises(KvtError, match="^memory plan does not fit"):
+        printed()
+    assert capsys.readouterr().out.splitlines()[-1] == "does NOT fit"
+
+
+def test_report_leads_with_a_short_speed_table_and_says_what_each_section_shows(pair, tmp_path):
+    """report.md's first speed table has at most 7 columns and a legend under it, the full one below; every
+    section opens with a line saying what it shows. Guards: the 16-column table first, with no legend; a
+    section (or table) that starts without a word on what it holds."""
+    argv = ["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path)] + ARGS
+    argv[argv.index("--no-bench")] = "--bench"
+    run.main(argv + ["--bench-lengths", "64", "--heldout", "toy", "--nll-windows", "2", "--nll-context", "32",
+                     "--nll-next", "8"])
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    speed = lines.index("## Prefill vs transfer (seconds, median)")
+    first = next(i for i in range(speed, len(lines)) if lines[i].startswith("|"))
+    assert lines[first].count("|") - 1 <= 7
+    end = next(i for i in range(first, len(lines)) if not lines[i].startswith("|"))
+    assert lines[end] == "" and lines[end + 1].startswith("target prefill s: ")       # its legend, right under it
+    assert any(l.count("|") - 1 == 16 for l in lines[end:])                            # and every column below
+    headers = [i for i, l in enumerate(lines) if l.startswith("## ") or l.startswith("### ")]
+    assert len(headers) >= 5, [lines[i] for i in headers]
+    for i in headers:
+        says = lines[i + 2]
+        assert lines[i + 1] == "" and says and says[0].isupper() and not says.startswith(("|", "```", "!")), lines[i]

@@ -207,7 +207,7 @@ def test_pipeline_checks_a_reused_mapper_against_the_models(fitted, tmp_path):
     s, t, mapper, path = fitted
     args = pipeline.Settings(source=Path("S"), target=Path("T"), out=tmp_path)
     skey = {"format": "s", "source": "x", "target": "y"}
-    name = pipeline.mapper_name(args, skey)
+    name = pipeline.mapper_name(args, skey, s.config)
     t_ = load_file(str(path))
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()

@@ -161,7 +161,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     if o.progress and dist.rank() == 0:
         rows = memory_plan(src_cfg, tgt_cfg, scope, k, calib.fit.shape[1] * batch_size, o.candidates, o.stats_dtype,
                            o.group, device)
-        print(f"calibration memory plan ({scope} scope, k={k}):\n{describe_plan(rows)}")
+        print(f"calibration memory plan ({scope} scope, k={k}): {describe_plan(rows)}")
 
     def run_pass(name, scope_, src_layers=None, tgt_layers=None, final=True):
         stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device, o.stats_dtype, o.key)

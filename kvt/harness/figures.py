@@ -338,9 +338,8 @@ def main(argv=None):
         return recompute_figure(args.results, args.png)
 
     import kvt
-    from kvt.harness import toy
     from kvt.config import find_weights, matched_kv, parse_pair
-    from kvt.harness.data import calibration_sequences, check_same_tokenizer
+    from kvt.harness.data import check_same_tokenizer
     from kvt.calibrate import calibrate
 
     at_least("k", args.k)
@@ -352,18 +351,32 @@ def main(argv=None):
     kvt.load_config(tgt_dir)
     tok = kvt.load_tokenizer(tgt_dir)
     check_same_tokenizer(kvt.load_tokenizer(src_dir), tok)
-    if args.calib:
-        calib = calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len)
-    elif src_name.startswith("toy-"):  # toy documents the family was not trained on (seed 0), as run.py
-        calib = calibration_sequences(None, tok, args.calib_seqs, args.calib_len, documents=toy.corpus(2000, seed=99))
-    else:
-        raise KvtError(f"{src_name} is not a toy model: pass calibration text with --calib, "
-                       "e.g. ../shared/data/calib/wikitext-2")
+    calib = r2_calibration(args, src_name, tok)
     source = kvt.load_model(src_dir, device=args.device)
     target = kvt.load_model(tgt_dir, device=args.device)
     matched = matched_kv(src_cfg, target.config)
     mapper, report = calibrate(source, target, calib, "head" if matched else "layer", k=args.k, lam=args.lam)
-    src_layers = list(range(src_cfg.n_layers))
+    show_r2(args, (src_name, tgt_name), mapper, report)
+
+
+def r2_calibration(args, src_name, tok):
+    """kvt figures r2's calibration sequences: --calib, else for a toy pair toy documents the family was not
+    trained on (seed 0; run.py takes the same)."""
+    from kvt.config import KvtError
+    from kvt.harness import toy
+    from kvt.harness.data import calibration_sequences
+    if args.calib:
+        return calibration_sequences(args.calib, tok, args.calib_seqs, args.calib_len)
+    if src_name.startswith("toy-"):
+        return calibration_sequences(None, tok, args.calib_seqs, args.calib_len, documents=toy.corpus(2000, seed=99))
+    raise KvtError(f"{src_name} is not a toy model: pass calibration text with --calib, "
+                   "e.g. ../shared/data/calib/wikitext-2")
+
+
+def show_r2(args, names, mapper, report):
+    """The layer maps of each --kind, with the selected layers starred, printed (and drawn with --png)."""
+    src_name, tgt_name = names
+    src_layers = list(range(mapper.src_cfg.n_layers))
     print(f"{src_name} -> {tgt_name}: validation R^2 of each target layer fitted from one source layer "
           f"({args.calib_seqs} x {args.calib_len} calibration tokens, lambda "
           f"{args.lam if args.lam else 'the best of ridge.LAMBDAS per pair of layers'}); "

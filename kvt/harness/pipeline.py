@@ -60,7 +60,8 @@ from kvt.handoff import Recompute
 from kvt.harness.calibration import CalibrationOptions, add_mlp, calibrate, check_pair_weights
 from kvt.harness.files import MAPPER_FORMAT, STATS_FORMAT, load_mapper, save_mapper, short_id
 from kvt.loading import check_weights, layer_devices
-from kvt.harness.plan import capacity, check_plan, disk_plan, eval_batch, format_plan, plan, split_to_fit
+from kvt.harness.plan import (Options, capacity, check_plan, disk_plan, eval_batch, format_plan, k_used, nearly_full,
+                              plan, plan_line, split_to_fit)
 from kvt.harness.summary import (CORPUS, average_retention, context_gain, coqa_agreement, coqa_turns, lm_eval_results,
                           summarize)
 from kvt.weights import fingerprint
@@ -116,6 +117,7 @@ class Settings:
     device: str = dataclasses.field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     devices: str | None = None
     context: int | None = None
+    show_plan: bool = False
     stats_dtype: str = "float64"
     keep_stats: bool = False
     candidates: int | None = None
@@ -219,6 +221,8 @@ def parse_args(argv=None):
     ap.add_argument("--devices", help="split both models by layers over these, e.g. cuda:0,cuda:1 (under "
                     "torchrun: shared out among the ranks of a node)")
     ap.add_argument("--context", type=int, help="longest context to plan memory for (default: the longest bench length)")
+    ap.add_argument("--show-plan", action="store_true", help="print every row of the memory plan (by default one "
+                    "line, and every row only when the plan fills more than half of a device's usable memory)")
     ap.add_argument("--stats-dtype", choices=["float64", "float32"],
                     help="calibration statistics (float32 halves them; solves stay float64)")
     ap.add_argument("--keep-stats", action="store_true", help="keep the calibration statistics files once the "
@@ -354,10 +358,13 @@ def mapper_key(s, stats):
             "lambda": s.lam, "mapper": s.mapper, **({"weights": s.token_weights} if s.token_weights != "uniform" else {})}
 
 
-def mapper_name(s, skey):
+def mapper_name(s, skey, src_cfg):
+    """The name of a mapper's file, mapper-<name>.safetensors, and of its records: the settings that made it
+    (scope, the k it is fitted with, which plan.k_used caps at the source's candidate layers, and the mapper
+    type), then the hash of everything else it is made from (mapper_key, which holds the k asked)."""
     key = mapper_key(s, skey)
     weighted = "-attn" if key.get("weights") == "attention" else ""
-    return f"{key['scope']}-k{key['k']}-{key['mapper']}{weighted}-{short_hash(key)}"
+    return f"{key['scope']}-k{k_used(src_cfg, s.k, s.candidates)}-{key['mapper']}{weighted}-{short_hash(key)}"
 
 
 def check_disk(out, plans, s, skeys):
@@ -366,7 +373,7 @@ def check_disk(out, plans, s, skeys):
     need, kept = 0, 0
     for p, skey in zip(plans, skeys):
         rows = disk_plan(p)
-        if not (out / f"mapper-{mapper_name(s, skey)}.safetensors").exists():
+        if not (out / f"mapper-{mapper_name(s, skey, p.src_cfg)}.safetensors").exists():
             need = max(need, kept + sum(n for _, n in rows))
             kept += rows[-1][1]                                   # its mapper file stays
     have = shutil.disk_usage(out).free + sum(f.stat().st_size for f in out.glob("stats-*"))
@@ -379,7 +386,7 @@ def check_disk(out, plans, s, skeys):
 def get_mapper(s, source, target, tok, calib, out, skey, dtype, group=None):
     """Load the mapper made from these settings in OUT, or calibrate and save it (statistics checkpointed
     under a name of their own, so another lambda, k or mapper type reads them again)."""
-    key, name = mapper_key(s, skey), mapper_name(s, skey)
+    key, name = mapper_key(s, skey), mapper_name(s, skey, source.config)
     path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
@@ -678,7 +685,7 @@ def run(s, src_dir, tgt_dir, src_name, tgt_name, out):
 
     # 2. the mapper, with its weights where the target keeps each layer
     mapper, name = get_mapper(s, source, target, tok, calib, out, skeys["forward"], dtype,
-                              plans["forward"].options["group"])
+                              plans["forward"].options.group)
     mapper = mapper.place(layer_devices(target))
 
     # 3. its diagnostics and the gate
@@ -690,7 +697,7 @@ def run(s, src_dir, tgt_dir, src_name, tgt_name, out):
     coqa = {}
     if "coqa" in items:  # the other direction: the large model hands the conversation to the small one
         back = evaluate_back(s, items, tok, source, target, calib, out, skeys["back"], dtype,
-                             plans["back"].options["group"], header, batch)
+                             plans["back"].options.group, header, batch)
         coqa = {" -> ".join(names): coqa_result(records), " -> ".join(names[::-1]): coqa_result(back)}
     if dist.rank() != 0:
         return dist.close()
@@ -700,8 +707,8 @@ def run(s, src_dir, tgt_dir, src_name, tgt_name, out):
     rows = run_bench(s, source, target, mapper, lengths, names, dtype, devices[0]) if s.bench else []
 
     # 6. report
-    results = report(s, names, out, mapper, name, calib, (diag, fit, reasons), records, coqa, gains, rows, items,
-                     dtype, devices[0], batch, t0)
+    results = report(s, Outcome(names, out, mapper, name, calib, (diag, fit, reasons), items, records, coqa, gains,
+                                rows, dtype, devices[0], batch, t0))
     dist.close()
     return results
 
@@ -773,18 +780,19 @@ def toy_calibration_text(s):
 
 
 def plan_memory(s, src_cfg, tgt_cfg, names, coqa, lengths, dtype, devices):
-    """The memory plan of every mapper this run fits (the way back too for CoQA), printed and checked before
-    any of it. Returns ({"forward": plan, "back": plan}, the devices' capacity)."""
+    """The memory plan of every mapper this run fits (the way back too for CoQA), checked before any of it
+    and printed: in one line, or every row with --show-plan or where it nearly fills a device (plan.nearly_full,
+    as it does when it does not fit). Returns ({"forward": plan, "back": plan}, the devices' capacity)."""
     cap = capacity(devices)
+    asked = Options(s.scope, s.k, s.candidates, s.context or max(lengths + [s.calib_len]), dtype=dtype,
+                    devices=devices, calib_len=s.calib_len, stats_dtype=getattr(torch, s.stats_dtype))
     plans = {}
     for way, a, b, shown in [("forward", src_cfg, tgt_cfg, names)] + ([("back", tgt_cfg, src_cfg, names[::-1])]
                                                                       if coqa else []):
-        plans[way] = split_to_fit(plan(a, b, s.scope, s.k, s.context or max(lengths + [s.calib_len]),
-                                       dtype, devices, calib_len=s.calib_len,
-                                       stats_dtype=getattr(torch, s.stats_dtype), candidates=s.candidates,
-                                       bench=s.bench and not plans), cap)
+        p = plans[way] = split_to_fit(plan(a, b, dataclasses.replace(asked, bench=s.bench and not plans)), cap)
         if dist.rank() == 0:
-            print(format_plan(plans[way], cap, " -> ".join(shown)))
+            full = s.show_plan or nearly_full(p, cap)
+            print((format_plan if full else plan_line)(p, cap, " -> ".join(shown)))
     for p in plans.values():
         check_plan(p, cap)
     return plans, cap
@@ -821,6 +829,8 @@ def check_mapper(s, mapper):
     printed. Returns (diagnostics, fit, reasons)."""
     diag = mapper.meta["diagnostics"]
     fit, reasons = gate(diag, s.min_attn_cos, s.max_kl)
+    print("calibration diagnostics on sequences no fit has seen: R^2 of keys and values and the attention-output "
+          "cosine per target layer, the next-token KL after a handoff")
     print(format_diagnostics(diag))
     print("gate: fit for use" if fit else "gate: UNFIT: " + "; ".join(reasons))
     return diag, fit, reasons
@@ -870,66 +880,167 @@ def run_bench(s, source, target, mapper, lengths, names, dtype, device):
                  fracs=[s.recompute.frac] if s.recompute.frac else [], plain=s.plain)
 
 
-def report(s, names, out, mapper, name, calib, check, records, coqa, gains, rows, items, dtype, device, batch, t0):
-    """OUT/report.md, OUT/results.json, and the tables on stdout. Returns the results dict."""
-    src_name, tgt_name = names
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a run made and measured, for report: the pair's names, the output folder, the mapper and its
+    name, the calibration sequences, the check (diagnostics, gate fit, its reasons), the items and their
+    records, CoQA per direction, context gains, the bench rows, and how it ran (dtype, device, evaluation
+    batch, the start time)."""
+    names: tuple
+    out: Path
+    mapper: object
+    name: str
+    calib: object
+    check: tuple
+    items: dict
+    records: list
+    coqa: dict
+    gains: list
+    rows: list
+    dtype: torch.dtype
+    device: str
+    batch: int
+    t0: float
+
+
+ACCURACY = "## Accuracy (%, 95% interval) and retention"
+
+
+def report(s, o):
+    """OUT/report.md, OUT/results.json, and the tables on stdout (from the accuracy table on). Returns the
+    results dict."""
+    summary, average = summarize(o.records), average_retention(o.records)
+    lines = [*header_lines(s, o), "", *diagnostics_section(o.check), "", *accuracy_section(summary, average, o),
+             *gain_section(o.gains), *coqa_section(o.coqa), *speed_section(o.rows, o.device, o.dtype),
+             "", f"wall time {time.time() - o.t0:.0f} s"]
+    write_atomic(o.out / "report.md", "\n".join(lines) + "\n")
+    results = results_of(s, o, summary, average)
+    write_atomic(o.out / "results.json", json.dumps(strict(results), indent=1, allow_nan=False))
+    print("\n" + "\n".join(lines[lines.index(ACCURACY):]))
+    print(f"\nwrote {o.out / 'report.md'} and {o.out / 'results.json'}")
+    return results
+
+
+def header_lines(s, o):
+    """report.md's title and what ran: the mapper, its lambdas, any recompute, the items."""
+    (src_name, tgt_name), mapper, calib, recompute = o.names, o.mapper, o.calib, s.recompute
+    k = mapper.meta.get("k", s.k)
+    return [f"# kvt: {src_name} -> {tgt_name}", "",
+            f"mapper: {o.name}, {s.mapper}, {s.scope} scope, {s.token_weights} weights, k={k}"
+            + (f" (of {s.k} asked; the source has {mapper.src_cfg.n_layers} layers)" if k != s.k else "")
+            + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
+            f"{s.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
+            f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
+            *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
+               f"{recompute.first} and {100 * recompute.frac:g}% "
+               f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
+              if recompute else []),
+            f"items: a seeded sample (seed {s.seed}) of up to {s.limit} per task"
+            + "".join(f", {t} {n}" for t, n in s.task_limits.items()) + ", the same for every condition"]
+
+
+DIAGNOSTICS_SAY = ("How close the mapped cache comes to the target's own on calibration sequences no fit has seen, per "
+                   "target layer: R^2 of keys and values (the fit's own objective) and the attention-output cosine "
+                   "(the target's queries over the true and over the mapped cache); then the next-token KL after a "
+                   "handoff. The gate passes a mapper whose mean cosine and KL clear --min-attn-cos and --max-kl.")
+
+
+def diagnostics_section(check):
     diag, fit, reasons = check
-    summary, average = summarize(records), average_retention(records)
-    recompute = s.recompute
-    table = format_summary(summary, average, src_name, tgt_name)
-    k_used = mapper.meta.get("k", s.k)
-    lines = [f"# kvt: {src_name} -> {tgt_name}", "",
-             f"mapper: {name}, {s.mapper}, {s.scope} scope, {s.token_weights} weights, k={k_used}"
-             + (f" (of {s.k} asked; the source has {mapper.src_cfg.n_layers} layers)" if k_used != s.k else "")
-             + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
-             f"{s.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
-             f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
-             *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
-                f"{recompute.first} and {100 * recompute.frac:g}% "
-                f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
-               if recompute else []),
-             f"items: a seeded sample (seed {s.seed}) of up to {s.limit} per task"
-             + "".join(f", {t} {n}" for t, n in s.task_limits.items()) + ", the same for every condition", "",
-             "## Calibration diagnostics (held-out)", "", "```", format_diagnostics(diag),
-             "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```", "",
-             "## Accuracy (%, 95% interval) and retention", "", table]
-    if gains:
-        lines += ["", "## Context gain kept (held-out next-token NLL, nats; 95% interval over windows)", "",
-                   format_context_gain(gains)]
+    return ["## Calibration diagnostics (held-out)", "", DIAGNOSTICS_SAY, "", "```", format_diagnostics(diag),
+            "gate: " + ("fit" if fit else "UNFIT: " + "; ".join(reasons)), "```"]
+
+
+ACCURACY_SAY = ("Accuracy on the same items under four conditions: target (the target prefills the context itself: "
+                "the ceiling), transfer (the source prefills, the mapper hands its cache over, the target answers), "
+                "source (the source alone) and floor (the target without the context). Retention = transfer / "
+                "target; floor-normalized retention = (transfer - floor) / (target - floor), the share of what the "
+                "context added that the transfer keeps; the average row, the paper's headline, is the mean over "
+                "tasks of each task's retention on its primary metric.")
+
+
+def accuracy_section(summary, average, o):
+    """The accuracy table, with the retention figure above it where there are tasks to draw."""
+    src_name, tgt_name = o.names
+    lines = [ACCURACY, "", ACCURACY_SAY, ""]
+    shown = {t: tasks.get(t).primary for t in summary if tasks.get(t).primary not in CORPUS}
+    if shown:
+        drawn = retention_png({t: summary[t] for t in shown}, shown, o.out / "retention.png", f"{src_name} -> {tgt_name}")
+        lines += (["![retention](retention.png)", ""] if drawn else
+                  ["(no retention figure: matplotlib is not installed; pip install kvt[plots] draws it)", ""])
+    return lines + [format_summary(summary, average, src_name, tgt_name)]
+
+
+def gain_section(gains):
+    if not gains:
+        return []
+    return ["", "## Context gain kept (held-out next-token NLL, nats; 95% interval over windows)", "",
+            "The next tokens' NLL on held-out text after a context, under target, transfer and floor; context gain "
+            "kept = (floor - transfer) / (floor - target), the share of what the context takes off the floor's NLL "
+            "that the transfer keeps (no ratio, and why, where the target gains nothing from the context).", "",
+            format_context_gain(gains)]
+
+
+def coqa_section(coqa):
+    """CoQA per direction: gold F1 per turn under target and transfer, and the gap's drift over turns."""
+    lines = []
+    num = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
     for direction, c in coqa.items():
         g, a = c["gold"], c["agreement"]
         lines += ["", f"## CoQA, handed over {direction}: gold F1 per turn", "",
-                   "| turn | " + " | ".join(str(t) for t in g["turns"]) + " |",
-                   "|---|" + "---|" * len(g["turns"])]
+                  "Gold F1 of each turn of a conversation, the target answering on its own cache (target) and on "
+                  "the one handed over (transfer); the drift says whether the gap grows turn by turn.", "",
+                  "| turn | " + " | ".join(str(t) for t in g["turns"]) + " |", "|---|" + "---|" * len(g["turns"])]
         for cond in ("target", "transfer"):
             lines.append(f"| {cond} | " + " | ".join(f"{f:.1f}" for f in g["f1"][cond]) + " |")
-        num = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
         lines += ["", f"gold F1 target {num(g['mean']['target']['f1'], '.1f')}, transfer "
-                   f"{num(g['mean']['transfer']['f1'], '.1f')} (EM {num(g['mean']['target']['em'], '.1f')} / "
-                   f"{num(g['mean']['transfer']['em'], '.1f')}); gap target - transfer {num(g['mean_gap'], '+.1f')} F1 "
-                   f"points, its drift {num(g['drift']['gap'], '+.2f')} points per turn; transfer scored against the "
-                   f"target's own answers: F1 {num(a['mean'], '.1f')}, drift {num(a['drift_per_turn'], '+.2f')} per turn"]
-    if rows:
-        lines += ["", "## Prefill vs transfer (seconds, median)", "", f"{hardware(device)}; {dtype}", "",
-                   format_rows(rows)]
-    shown = {t: tasks.get(t).primary for t in summary if tasks.get(t).primary not in CORPUS}
-    if shown:
-        drawn = retention_png({t: summary[t] for t in shown}, shown, out / "retention.png", f"{src_name} -> {tgt_name}")
-        at = lines.index("## Accuracy (%, 95% interval) and retention") + 2
-        lines[at:at] = (["![retention](retention.png)", ""] if drawn else  # above the table it draws
-                         ["(no retention figure: matplotlib is not installed; pip install kvt[plots] draws it)", ""])
-    lines += ["", f"wall time {time.time() - t0:.0f} s"]
-    write_atomic(out / "report.md", "\n".join(lines) + "\n")
-    asked = {**dataclasses.asdict(s), "device": device, "batch_size": batch}   # as this rank ran them
+                  f"{num(g['mean']['transfer']['f1'], '.1f')} (EM {num(g['mean']['target']['em'], '.1f')} / "
+                  f"{num(g['mean']['transfer']['em'], '.1f')}); gap target - transfer {num(g['mean_gap'], '+.1f')} F1 "
+                  f"points, its drift {num(g['drift']['gap'], '+.2f')} points per turn; transfer scored against the "
+                  f"target's own answers: F1 {num(a['mean'], '.1f')}, drift {num(a['drift_per_turn'], '+.2f')} per turn"]
+    return lines
+
+
+SPEED_LEGEND = ("target prefill s: the target computes the context's cache itself; transfer s: the source's cache "
+                "mapped for the target, then the target's last token; speedup: prefill / transfer (medians); of the "
+                "roofline: the share the transfer reaches of the speedup it would have if the map ran at the "
+                "prefill's FLOP rate and the last token read memory at copy speed (per round: median, min-max).")
+
+
+def speed_table(rows):
+    """The bench in six columns (bench.format_rows has them all)."""
+    pct = lambda m: "-" if not m else f"{100 * m[0]:.0f}% ({100 * m[1]:.0f}-{100 * m[2]:.0f})"  # noqa: E731
+    lines = ["| direction | tokens | target prefill s | transfer s | speedup | of the roofline |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['direction']} | {r['tokens']} | {r['target_prefill_s']:.3f} | {r['transfer_s']:.3f} | "
+                     f"{r['speedup']:.1f}x | {pct(r.get('of_roofline'))} |")
+    return "\n".join(lines)
+
+
+def speed_section(rows, device, dtype):
+    if not rows:
+        return []
+    return ["", "## Prefill vs transfer (seconds, median)", "",
+            "The target's prefill of a context against the transfer that replaces it, timed side by side in one "
+            f"process, each warmed up (tutorial.md section 11). {hardware(device)}; {dtype}", "",
+            speed_table(rows), "", SPEED_LEGEND, "", "### Every measurement", "",
+            "The same rounds with every column tutorial.md section 11 explains: the source's prefill, min-max "
+            "ranges, the speedup per round, the map alone, the FLOP limit, the rate the last step reads at, the "
+            "copy rate and the roofline they make, the mapper's size.", "", format_rows(rows)]
+
+
+def results_of(s, o, summary, average):
+    """results.json's content: the settings as this rank ran them and every number of the report."""
+    diag, fit, reasons = o.check
+    asked = {**dataclasses.asdict(s), "device": o.device, "batch_size": o.batch}   # as this rank ran them
     settings = {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if isinstance(v, list) else v)
                 for k, v in asked.items()}
-    results = {"pair": [src_name, tgt_name], "mapper": name, "settings": settings, "k_used": k_used,
-               "lambda": mapper.meta.get("lambda"), "mapper_bytes": mapper.nbytes(), "fit_s": mapper.meta.get("fit_s"),
-               "alpha": mapper.meta.get("alpha"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
-               "tasks": summary, "average_retention": average, "context_gain": gains, "coqa": coqa, "lm_eval": lm_eval_results(summary),
-               "bench": rows, "items": {task: [it.id for it in its] for task, its in items.items()},
-               "versions": versions(device), "wall_s": time.time() - t0}
-    write_atomic(out / "results.json", json.dumps(strict(results), indent=1, allow_nan=False))
-    print("\n" + "\n".join(lines[lines.index("## Accuracy (%, 95% interval) and retention"):]))
-    print(f"\nwrote {out / 'report.md'} and {out / 'results.json'}")
-    return results
+    meta = o.mapper.meta
+    return {"pair": list(o.names), "mapper": o.name, "settings": settings, "k_used": meta.get("k", s.k),
+            "lambda": meta.get("lambda"), "mapper_bytes": o.mapper.nbytes(), "fit_s": meta.get("fit_s"),
+            "alpha": meta.get("alpha"), "diagnostics": diag, "gate": {"fit": fit, "reasons": reasons},
+            "tasks": summary, "average_retention": average, "context_gain": o.gains, "coqa": o.coqa,
+            "lm_eval": lm_eval_results(summary), "bench": o.rows,
+            "items": {task: [it.id for it in its] for task, its in o.items.items()},
+            "versions": versions(o.device), "wall_s": time.time() - o.t0}

@@ -1,7 +1,8 @@
 """The memory plan: what a run will hold on each device, printed and checked before any heavy work.
 
-    p = plan(src_cfg, tgt_cfg, scope="layer", k=8, context=32768, dtype=torch.bfloat16, devices=["cuda:0", "cuda:1"])
-    print(format_plan(p, capacity(p.devices)))
+    p = plan(src_cfg, tgt_cfg, Options(scope="layer", k=8, context=32768, dtype=torch.bfloat16,
+                                       devices=("cuda:0", "cuda:1")))
+    print(format_plan(p, capacity(p.devices)))   # every row; plan_line(p, cap): one line, what run.py prints
     check_plan(p, capacity(p.devices))   # one-line KvtError saying which option would fit, if it does not
 
     p = split_to_fit(p, capacity(p.devices))  # layer scope: statistics in as few passes as fit
@@ -42,6 +43,7 @@ attention scores when SDPA has no fused kernel (CPU prefill holds B*H*T^2 of the
 logits (kvt asks for the last position's only), and the MLP backstop.
 """
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -58,11 +60,39 @@ USABLE = 0.92                                            # of each device; the r
 GiB = 2**30
 
 
+@dataclass(frozen=True)
+class Options:
+    """What a plan is asked (check_plan re-plans with some of it changed, dataclasses.replace): the mapper
+    (scope, k of `candidates` source layers); the transfer of `batch` contexts of `context` tokens with
+    both models in `dtype` split over `devices` by loading.place; calibration, unless calibrate=False (a
+    saved mapper is reused): batches of calib_batch x calib_len tokens into statistics of stats_dtype,
+    layer scope in passes of at most `group` target layers' worth (split_to_fit); with `bench`,
+    kvt.harness.bench's timing at that context too."""
+    scope: str = "layer"
+    k: int = 8
+    candidates: int | None = None
+    context: int = 4096
+    batch: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    devices: tuple = ("cpu",)
+    calibrate: bool = True
+    calib_len: int = 1024
+    calib_batch: int = 1
+    stats_dtype: torch.dtype = torch.float64
+    group: int | None = None
+    bench: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "devices", tuple(self.devices))   # a list given: kept as a tuple (frozen)
+
+
 @dataclass
 class Plan:
-    options: dict   # the arguments plan() was called with (check_plan re-plans with other options)
-    rows: list      # (phase, what, {device: bytes})
-    devices: list   # the distinct devices, in order
+    src_cfg: object
+    tgt_cfg: object
+    options: Options  # what plan() was asked
+    rows: list        # (phase, what, {device: bytes})
+    devices: list     # the distinct devices, in order
 
     def total(self, phase, device):
         """Bytes of one phase's rows on one device."""
@@ -203,32 +233,28 @@ def memory_plan(src_cfg, tgt_cfg, scope, k=8, batch_tokens=1024, candidates=None
 
 
 def describe_plan(rows):
-    """The plan as printable lines."""
-    return "\n".join(f"  {name:<45} {nbytes / 2**30:8.2f} GiB" for name, nbytes in rows)
+    """memory_plan's rows in one line: how many passes, and the largest."""
+    name, most = max(rows, key=lambda row: row[1])
+    return f"{len(rows)} pass{'es' * (len(rows) > 1)}, the largest {most / 2**30:.2f} GiB ({name})"
 
 
-def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat16, devices=("cpu",), batch=1,
-         calib_len=1024, calib_batch=1, stats_dtype=torch.float64, candidates=None, calibrate=True, group=None,
-         bench=False):
-    """The memory plan of a run (see the module docstring): calibration (unless calibrate=False, when a
-    saved mapper is reused) and transfer of `batch` contexts of `context` tokens, with both models in
-    `dtype` split over `devices` by loading.place; with `bench`, kvt.harness.bench's timing at that context too.
-    group: layer-scope statistics in passes of at most this many target layers' worth (see
-    split_to_fit). Host memory is planned in a column of its own (HOST). Returns a Plan."""
-    options = dict(scope=scope, k=k, context=context, dtype=dtype, devices=list(devices), batch=batch,
-                   calib_len=calib_len, calib_batch=calib_batch, stats_dtype=stats_dtype, candidates=candidates,
-                   calibrate=calibrate, group=group, bench=bench)
+def plan(src_cfg, tgt_cfg, options=Options()):
+    """The memory plan of a run (see the module docstring) asked as `options` say: calibration, the
+    transfer and the bench. Host memory is planned in a column of its own (HOST). Returns a Plan."""
+    o = options
+    scope, k, context, dtype, batch, calib_len = o.scope, o.k, o.context, o.dtype, o.batch, o.calib_len
+    candidates, stats_dtype = o.candidates, o.stats_dtype
     check_matched_kv(src_cfg, tgt_cfg, scope)
-    devices = [canonical(d) for d in devices]
+    devices = [canonical(d) for d in o.devices]
     host = "cpu" if "cpu" in devices else HOST                # a CPU run's host memory is its device's
     name = str(dtype).replace("torch.", "")
     rows = [("weights", f"source weights ({name})", weight_bytes(src_cfg, devices, dtype)),
             ("weights", f"target weights ({name})", weight_bytes(tgt_cfg, devices, dtype))]
-    k = min(k, len(candidate_layers(src_cfg.n_layers, candidates)))
-    if calibrate:
-        n = calib_len * calib_batch
-        passes = memory_plan(src_cfg, tgt_cfg, scope, k, n, candidates, stats_dtype, group, devices[0])
-        fits = fit_shapes(src_cfg, tgt_cfg, scope, k, candidates, group)
+    k = k_used(src_cfg, k, candidates)
+    if o.calibrate:
+        n = calib_len * o.calib_batch
+        passes = memory_plan(src_cfg, tgt_cfg, scope, k, n, candidates, stats_dtype, o.group, devices[0])
+        fits = fit_shapes(src_cfg, tgt_cfg, scope, k, candidates, o.group)
         mapper32 = sum(mapper_bytes(src_cfg, tgt_cfg, scope, k, ["cpu"]).values())
         for i, (what, size) in enumerate(passes, 1):
             phase = f"calibration pass {i}"
@@ -257,7 +283,7 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
               mapper_bytes(src_cfg, tgt_cfg, scope, k, devices, dtype)),
              ("transfer", "position-free source KV (float32)", working_bytes(src_cfg, tgt_cfg, devices, n)),
              ("transfer", "activations, one layer", activation_bytes((src_cfg, tgt_cfg), devices, n, dtype))]
-    if bench:  # kvt.harness.bench: both models' caches of the context kept, then each direction timed in turn
+    if o.bench:  # kvt.harness.bench: both models' caches of the context kept, then each direction timed in turn
         T, act = context, activation_bytes((src_cfg, tgt_cfg), devices, context, dtype)
         mappers = add(mapper_bytes(src_cfg, tgt_cfg, scope, k, devices, dtype),
                       mapper_bytes(tgt_cfg, src_cfg, scope, min(k, tgt_cfg.n_layers), devices, dtype))
@@ -270,7 +296,7 @@ def plan(src_cfg, tgt_cfg, scope="layer", k=8, context=4096, dtype=torch.bfloat1
                            add(kv_bytes(b, devices, T, dtype), working_bytes(a, b, devices, T)))),
                      (phase, f"mappers both ways ({name})", mappers),
                      (phase, "copy-rate buffers (bench.copier)", {devices[0]: 2 * 512 * 2**20})]
-    return Plan(dict(options, src_cfg=src_cfg, tgt_cfg=tgt_cfg), rows, list(dict.fromkeys(devices)))
+    return Plan(src_cfg, tgt_cfg, options, rows, list(dict.fromkeys(devices)))
 
 
 HOST = "host"   # the host's memory, a column of its own beside the devices (not checked against a GPU's)
@@ -376,8 +402,7 @@ def check_plan(p, cap):
 
 def alternatives(p, cap, most=16):
     """Descriptions of the options that make plan p fit, each with the fewest devices it needs."""
-    o = dict(p.options, group=None)
-    src_cfg, tgt_cfg = o.pop("src_cfg"), o.pop("tgt_cfg")
+    o, src_cfg, tgt_cfg = dataclasses.replace(p.options, group=None), p.src_cfg, p.tgt_cfg
     n0, per = len(p.devices), min(cap[d] for d in p.devices)
     grow = all(torch.device(d).type == "cuda" for d in p.devices)  # more devices: more GPUs like these
 
@@ -386,7 +411,7 @@ def alternatives(p, cap, most=16):
         for n in range(n0, (most if grow else n0) + 1):
             devices = [f"cuda:{i}" for i in range(n)] if n > n0 else p.devices
             caps = {d: per for d in devices}
-            if fits(split_to_fit(plan(src_cfg, tgt_cfg, **{**o, **change, "devices": devices}), caps), caps):
+            if fits(split_to_fit(plan(src_cfg, tgt_cfg, dataclasses.replace(o, **change, devices=devices)), caps), caps):
                 return n
         return None
 
@@ -396,18 +421,18 @@ def alternatives(p, cap, most=16):
         out.append(f"{alone} devices of {per / GiB:.0f} GiB (--devices)")
     changes = []
     matched = matched_kv(src_cfg, tgt_cfg)
-    if o["calibrate"] and o["scope"] == "layer" and matched:
+    if o.calibrate and o.scope == "layer" and matched:
         changes.append(("--scope head", {"scope": "head"}))
-    if o["calibrate"] and o["stats_dtype"] == torch.float64:
+    if o.calibrate and o.stats_dtype == torch.float64:
         changes.append(("--stats-dtype float32", {"stats_dtype": torch.float32}))
     for text, change in changes:
         n = fewest(**change)
         if n and n < alone:                                      # only if it needs fewer devices than more devices do
             out.append(text if n == n0 else f"{text} on {n} devices")
-    if o["calibrate"]:
-        C = len(candidate_layers(src_cfg.n_layers, o["candidates"]))
-        for c in range(C - 1, max(o["k"], 2) - 1, -1):           # the most candidates that fit these devices
-            if fits(split_to_fit(plan(src_cfg, tgt_cfg, **{**o, "candidates": c}), cap), cap):
+    if o.calibrate:
+        C = len(candidate_layers(src_cfg.n_layers, o.candidates))
+        for c in range(C - 1, max(o.k, 2) - 1, -1):              # the most candidates that fit these devices
+            if fits(split_to_fit(plan(src_cfg, tgt_cfg, dataclasses.replace(o, candidates=c)), cap), cap):
                 out.append(f"--candidates {c}")
                 break
     return out
@@ -415,27 +440,23 @@ def alternatives(p, cap, most=16):
 
 def calibration_passes(p):
     """At most how many passes over the calibration data the plan's calibration makes."""
-    o = p.options
-    if not o["calibrate"]:
+    o, Lt = p.options, p.tgt_cfg.n_layers
+    if not o.calibrate:
         return 0
-    matched = matched_kv(o["src_cfg"], o["tgt_cfg"])
-    if o["scope"] == "head" or not matched:
+    if o.scope == "head" or not matched_kv(p.src_cfg, p.tgt_cfg):
         return 1
-    group = o["group"] or o["tgt_cfg"].n_layers
-    return 1 + -(-o["tgt_cfg"].n_layers // group)
+    return 1 + -(-Lt // (o.group or Lt))
 
 
 def split_to_fit(p, cap):
     """The plan with layer-scope statistics split into as few passes as fit `cap` (the largest group of
     target layers per pass whose statistics fit); p itself when it fits or is not layer scope; the most
     split plan (one target layer a pass) when nothing fits, so what is left to fix shows."""
-    o = dict(p.options)
-    src_cfg, tgt_cfg = o.pop("src_cfg"), o.pop("tgt_cfg")
-    matched = matched_kv(src_cfg, tgt_cfg)
-    if fits(p, cap) or not (o["calibrate"] and o["scope"] == "layer" and matched):
+    o = p.options
+    if fits(p, cap) or not (o.calibrate and o.scope == "layer" and matched_kv(p.src_cfg, p.tgt_cfg)):
         return p
-    for group in range(tgt_cfg.n_layers - 1, 0, -1):
-        q = plan(src_cfg, tgt_cfg, **{**o, "group": group})
+    for group in range(p.tgt_cfg.n_layers - 1, 0, -1):
+        q = plan(p.src_cfg, p.tgt_cfg, dataclasses.replace(o, group=group))
         if fits(q, cap):
             return q
     return q
@@ -456,7 +477,8 @@ def eval_batch(src_cfg, tgt_cfg, cap, context, choices=4, new_tokens=256, scope=
         return CPU_EVAL_BATCH
     best, b = 1, 1
     while b <= most:
-        p = plan(src_cfg, tgt_cfg, scope, k, context + new_tokens, dtype, devices, batch=b, calibrate=False)
+        p = plan(src_cfg, tgt_cfg, Options(scope, k, context=context + new_tokens, batch=b, dtype=dtype,
+                                           devices=devices, calibrate=False))
         rows = b * choices
         p.rows += [("transfer", f"continuations' caches, {rows} x {context} tokens",
                     kv_bytes(tgt_cfg, p.devices, rows * context, dtype)),
@@ -474,14 +496,13 @@ def disk_plan(p):
     saved): the first pass's statistics, kept to resume from, twice while its checkpoint is rewritten (a
     .tmp, then a rename), or beside one later pass's checkpoint (the previous one deleted before the
     next is written) and the fits of the passes done so far; then the mapper file (float32)."""
-    o = p.options
-    src_cfg, tgt_cfg, k = o["src_cfg"], o["tgt_cfg"], o["k"]
-    mapper32 = sum(mapper_bytes(src_cfg, tgt_cfg, o["scope"], min(k, src_cfg.n_layers), ["cpu"]).values())
+    o, src_cfg, tgt_cfg = p.options, p.src_cfg, p.tgt_cfg
+    mapper32 = sum(mapper_bytes(src_cfg, tgt_cfg, o.scope, k_used(src_cfg, o.k, o.candidates), ["cpu"]).values())
     rows = [("mapper file (float32)", mapper32)]
-    if not o["calibrate"]:
+    if not o.calibrate:
         return rows
-    shapes = fit_shapes(src_cfg, tgt_cfg, o["scope"], k, o["candidates"], o["group"])
-    sizes = [sums_bytes(*f[:3], nbytes(o["stats_dtype"])) for f in shapes]
+    shapes = fit_shapes(src_cfg, tgt_cfg, o.scope, o.k, o.candidates, o.group)
+    sizes = [sums_bytes(*f[:3], nbytes(o.stats_dtype)) for f in shapes]
     if len(sizes) == 1:
         return [("statistics: a checkpoint and its rewrite", 2 * sizes[0])] + rows
     later = sizes[1] + mapper32
@@ -526,20 +547,20 @@ def estimate(p, gpu="h200", calib_seqs=550, diag_seqs=25, tasks=(), limit=500, e
     reading the weights once, every item generating its task's most tokens (an upper bound: stops end
     most answers sooner); the bench: prefills and transfers at each length, (repeats + 1) times."""
     o, r = p.options, RATES[gpu]
-    src, tgt, k, L = o["src_cfg"], o["tgt_cfg"], o["k"], o["calib_len"]
+    src, tgt, k, L = p.src_cfg, p.tgt_cfg, o.k, o.calib_len
     mm, fp32, bw = r["bf16"] * FRACTION["matmul"], r["fp32"] * FRACTION["matmul"], r["hbm"] * FRACTION["hbm"]
     out = []
-    if o["calibrate"]:
+    if o.calibrate:
         forward = calib_seqs * (forward_flops(src, L) + forward_flops(tgt, L)) / mm
-        shapes = fit_shapes(src, tgt, o["scope"], k, o["candidates"], o["group"])
+        shapes = fit_shapes(src, tgt, o.scope, k, o.candidates, o.group)
         n_passes = [1] + ([calibration_passes(p) - 1] if len(shapes) > 1 else [])
-        itemsize = nbytes(o["stats_dtype"])
+        itemsize = nbytes(o.stats_dtype)
         for i, ((G, F, O, f, _), n) in enumerate(zip(shapes, n_passes), 1):
             products = 2 * calib_seqs * L * G * (F * F + 2 * F * O) / fp32          # K and V, xx's upper half
             targets = tgt.n_layers if i == len(shapes) else 0                          # the final fits
             fits = 2 * targets * G * 9 * f ** 3 / (r["fp64"] * FRACTION["eigh"])
-            fits += 2 * (len(candidate_layers(src.n_layers, o["candidates"])) if i == 1 else 0) * G * 9 * (F // (
-                len(candidate_layers(src.n_layers, o["candidates"])))) ** 3 / (r["fp64"] * FRACTION["eigh"])
+            fits += 2 * (len(candidate_layers(src.n_layers, o.candidates)) if i == 1 else 0) * G * 9 * (F // (
+                len(candidate_layers(src.n_layers, o.candidates)))) ** 3 / (r["fp64"] * FRACTION["eigh"])
             pass_s = forward + products
             saves = (int(pass_s // save_s) + (i == 1)) * sums_bytes(G, F, O, itemsize) / DISK
             total = n * pass_s + fits / max(n, 1) * n + n * saves
@@ -556,12 +577,12 @@ def estimate(p, gpu="h200", calib_seqs=550, diag_seqs=25, tasks=(), limit=500, e
                 ((tgt, src), (tgt, tgt))                   # target, transfer (the source reads), source, floor
             read += limit * sum(forward_flops(c, tokens_in) for c in readers) / mm
             steps = -(-limit // eval_batch) * tokens_out
-            gen += steps * sum(weight_reads(c, o["dtype"]) for c in writers) / bw
+            gen += steps * sum(weight_reads(c, o.dtype) for c in writers) / bw
         out.append(("evaluation", read + gen, f"{len(tasks)} tasks x {limit} items x {conditions} conditions: reading "
                     f"{read:.0f} s, generating {gen:.0f} s (batches of {eval_batch}, every step reads the weights)"))
-    if o.get("bench"):
+    if o.bench:
         prefill = sum(forward_flops(src, n) + forward_flops(tgt, n) for n in bench_lengths) / mm
-        G, bx, by = groups(src, tgt, o["scope"])
+        G, bx, by = groups(src, tgt, o.scope)
         mapping = sum(2 * 2 * n * G * k * bx * by * (tgt.n_layers + src.n_layers) for n in bench_lengths) / mm
         out.append(("bench", (repeats + 1) * 2 * (prefill + mapping),
                     f"lengths {','.join(map(str, bench_lengths))}, {repeats} repeats and a warm-up, both ways"))
@@ -583,13 +604,15 @@ def headline_times(src_cfg, tgt_cfg, gpu="h200", T=32768, scope="layer", k=8):
 def format_plan(p, cap=None, title="source -> target"):
     """The plan as a table: one column per device, GiB; with `cap`, the usable memory and the verdict."""
     o = p.options
-    k = min(o["k"], len(candidate_layers(o["src_cfg"].n_layers, o["candidates"])))   # the k actually used
     passes = calibration_passes(p)
-    head = (f"memory plan: {title}, {o['scope']} scope, k={k}, {o['batch']} x {o['context']} tokens" +
-            (f", calibration {o['calib_batch']} x {o['calib_len']} tokens in {passes} pass{'es' * (passes > 1)}"
-             if o["calibrate"] else ""))
+    head = (f"memory plan: {title}, {o.scope} scope, k={k_used(p.src_cfg, o.k, o.candidates)}, "
+            f"{o.batch} x {o.context} tokens" +
+            (f", calibration {o.calib_batch} x {o.calib_len} tokens in {passes} pass{'es' * (passes > 1)}"
+             if o.calibrate else ""))
     cols = [*p.devices, *([HOST] if HOST not in p.devices and p.host() else [])]
-    lines = [head, f"{'phase':<28} {'what':<72}" + "".join(f"{d:>10}" for d in cols) + "   GiB"]
+    lines = [head, "what each phase of the run holds on each device, one phase after another: a device needs its "
+             "weights plus its largest phase",
+             f"{'phase':<28} {'what':<72}" + "".join(f"{d:>10}" for d in cols) + "   GiB"]
     for phase, what, where in p.rows:
         lines.append(f"{phase:<28} {what:<72}" + "".join(f"{where.get(d, 0) / GiB:10.2f}" for d in cols))
     need = dict(p.need(), **{HOST: p.host()})
@@ -603,7 +626,36 @@ def format_plan(p, cap=None, title="source -> target"):
     return "\n".join(lines)
 
 
-def summary(src_cfg, tgt_cfg, counts=(1, 2, 4, 8), gpus=("h100", "h200"), **kw):
+def fullest(p, cap):
+    """(device, its share of usable memory the plan needs): the device the plan fills most."""
+    need = p.need()
+    return max(((d, need[d] / (USABLE * cap[d])) for d in p.devices), key=lambda x: x[1])
+
+
+def plan_line(p, cap, title="source -> target"):
+    """The plan in one line: what the fullest device needs of what it can use, and the phase that sets it."""
+    d, _ = fullest(p, cap)
+    largest = max(p.phases(), key=lambda ph: p.total(ph, d))
+    where = f"{d} (the fullest of {len(p.devices)} devices)" if len(p.devices) > 1 else d
+    return (f"memory plan: {title} needs {p.need()[d] / GiB:.2f} of {USABLE * cap[d] / GiB:.2f} GiB usable on {where}: "
+            f"weights {p.total('weights', d) / GiB:.2f} GiB + the largest phase, \"{largest}\", "
+            f"{p.total(largest, d) / GiB:.2f} GiB; --show-plan lists every row")
+
+
+FULL_PLAN_SHARE = 0.5  # run.py lists every row when the plan fills more than this share of a device's usable memory
+
+
+def nearly_full(p, cap):
+    """Whether the plan fills more than FULL_PLAN_SHARE of some device's usable memory (run.py then lists it whole)."""
+    return fullest(p, cap)[1] > FULL_PLAN_SHARE
+
+
+def k_used(src_cfg, k, candidates=None):
+    """The k a mapper is fitted with: at most the source layers there are to select from."""
+    return min(k, len(candidate_layers(src_cfg.n_layers, candidates)))
+
+
+def summary(src_cfg, tgt_cfg, options=Options(), counts=(1, 2, 4, 8), gpus=("h100", "h200")):
     """A markdown table: the most any one device needs (GiB), per scope and statistics dtype (rows) and
     named GPU x count (columns), marked when it does not fit; layer scope split into as few passes over
     the data as fit (split_to_fit), their number shown when more than one."""
@@ -616,7 +668,8 @@ def summary(src_cfg, tgt_cfg, counts=(1, 2, 4, 8), gpus=("h100", "h200"), **kw):
             for g, n in cols:
                 devices = [f"cuda:{i}" for i in range(n)]
                 cap = capacity(devices, g)
-                p = split_to_fit(plan(src_cfg, tgt_cfg, scope=scope, stats_dtype=sd, devices=devices, **kw), cap)
+                asked = dataclasses.replace(options, scope=scope, stats_dtype=sd, devices=devices)
+                p = split_to_fit(plan(src_cfg, tgt_cfg, asked), cap)
                 worst, passes = max(p.need().values()), calibration_passes(p)
                 cells.append(f"{worst / GiB:.0f}" + (f", {passes} passes" if passes > 2 else "")
                              + ("" if fits(p, cap) else " (no)"))
@@ -628,18 +681,19 @@ PAPER_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k,coqa"
 PAPER_32K = {"prefill_s": 6.98, "transfer_s": 0.28}   # the paper's Qwen3 14B -> 32B at 32K tokens, one H200
 
 
-def rehearsal(src_cfg, tgt_cfg, names, gpu="h200", count=1, tasks=PAPER_TASKS.split(","), calib_seqs=500,
-              limit=500, eval_batch=32, **kw):
+def rehearsal(src_cfg, tgt_cfg, names, options=Options(context=32768), gpu="h200", count=1,
+              tasks=PAPER_TASKS.split(","), calib_seqs=500, limit=500, eval_batch=32):
     """The headline run on paper: (text, {"spare": fraction, "disk": bytes, "seconds": s, "host": bytes}).
-    Every mapper the run fits (the reverse one for CoQA too) planned and split as run.py does, each
-    phase's peak with every resident tensor, the host memory, the disk and a time estimate."""
+    Every mapper the run fits (the reverse one for CoQA too) planned as `options` say (on `count` x `gpu`)
+    and split as run.py does, each phase's peak with every resident tensor, the host memory, the disk and
+    a time estimate."""
     devices = [f"cuda:{i}" for i in range(count)]
     cap = capacity(devices, gpu)
     ways = [(src_cfg, tgt_cfg, names)] + ([(tgt_cfg, src_cfg, names[::-1])] if "coqa" in tasks else [])
     seqs = calib_seqs + calib_seqs // 10                      # the fit and validation regions (data.py)
     lines, rows, spare, host, disk, seconds, kept = [], [], 1.0, 0, 0, 0.0, 0
     for i, (a, b, (x, y)) in enumerate(ways):
-        p = split_to_fit(plan(a, b, devices=devices, bench=i == 0, **kw), cap)
+        p = split_to_fit(plan(a, b, dataclasses.replace(options, devices=devices, bench=i == 0)), cap)
         lines += [format_plan(p, cap, f"{x} -> {y} on {count} x {gpu.upper()} ({GPUS[gpu] / GiB:.1f} GiB each)"), ""]
         need = p.need()
         for ph in ["weights", *sorted(p.phases(), key=[r[0] for r in p.rows].index)]:
@@ -732,21 +786,21 @@ def main(argv=None):
     names = parse_pair(args.pair)
     src, tgt = (shape(n) for n in names)
     check_request(args, names, src, tgt)
-    kw = dict(k=args.k, context=args.context, batch=args.batch, calib_len=args.calib_len,
-              dtype=getattr(torch, args.dtype), candidates=args.candidates)
+    asked = Options(args.scope, args.k, args.candidates, args.context, args.batch, getattr(torch, args.dtype),
+                    calib_len=args.calib_len, stats_dtype=getattr(torch, args.stats_dtype))
     if args.summary:
         print(f"{args.pair}: GiB the fullest device needs, bf16 weights unless --dtype, k={args.k}, "
               f"{args.batch} x {args.context} tokens; (no) = over {USABLE:.0%} of the GPU")
-        print(summary(src, tgt, **kw))
+        print(summary(src, tgt, asked))
         return
-    text, _ = rehearsal(src, tgt, names, args.gpu, args.count, args.tasks.split(","), args.calib_seqs, args.limit,
-                        args.eval_batch, scope=args.scope, stats_dtype=getattr(torch, args.stats_dtype), **kw)
+    text, _ = rehearsal(src, tgt, names, asked, args.gpu, args.count, args.tasks.split(","), args.calib_seqs,
+                        args.limit, args.eval_batch)
     print(text)
     for a, b in [(src, tgt), (tgt, src)][:1 + ("coqa" in args.tasks.split(","))]:
         devices = [f"cuda:{i}" for i in range(args.count)]
         try:
-            check_plan(plan(a, b, scope=args.scope, stats_dtype=getattr(torch, args.stats_dtype), devices=devices,
-                            bench=True, **kw), capacity(devices, args.gpu))
+            check_plan(plan(a, b, dataclasses.replace(asked, devices=devices, bench=True)),
+                       capacity(devices, args.gpu))
         except KvtError as e:
             print(e)
 

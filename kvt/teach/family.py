@@ -49,7 +49,7 @@ from kvt.loading import build_model, load_model
 from kvt.tokenizer import load_tokenizer
 from kvt.weights import fingerprint, save_model, write_safetensors
 
-SHARED = Path(os.environ.get("KVT_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+SHARED = Path(os.environ.get("KVT_SHARED", Path(__file__).resolve().parents[3] / "shared"))  # ../shared
 CALIB = SHARED / "data" / "calib"
 STATE = "heal-state.safetensors"
 
@@ -306,14 +306,9 @@ def build(args, log=print):
     torch.set_num_threads(args.threads)
     out, flags = Path(args.out), _flags(args)
     if (out / "family.json").exists():
-        record = json.loads((out / "family.json").read_text())
-        if record["flags"] != flags:
-            raise KvtError(f"{out} holds a sibling built with other flags; choose another --out or delete it")
-        log(f"{out} is built already (delete it to rebuild)\n{table(out, record)}")
-        return load_model(out), record
+        return _built(out, flags, log)
     out.mkdir(parents=True, exist_ok=True)
     tok, parent = load_tokenizer(args.parent), load_model(args.parent)
-    cfg, kind = parent.config, args.kind
     held = windows(args.heldout_text, tok, args.windows, args.window_len)             # (n, T)
     state = out / STATE
     t0 = time.time()
@@ -322,34 +317,10 @@ def build(args, log=print):
         if meta["flags"] != flags:
             raise KvtError(f"{state} was written by a build with other flags ({meta['flags']}); "
                            "rerun with those, or delete the file to start over")
-        record = meta["record"]
         log(f"resuming {state} at step {step}")
     else:
-        full = cfg.n_layers if kind == "depth" else cfg.ffn_dim
-        if not 0 < args.keep < full:
-            raise KvtError(f"--keep {args.keep}: a {kind} sibling keeps between 1 and {full - 1} "
-                           f"{'layers' if kind == 'depth' else 'MLP neurons per layer'}")
-        ids = windows(args.score_text, tok, args.score_seqs, args.score_len)           # (n, T)
-        log(f"scoring {'blocks' if kind == 'depth' else 'MLP neurons'} of {args.parent} on {ids.numel()} tokens")
-        if kind == "depth":
-            influence = block_influence(parent, ids)
-            keep = keep_layers(influence, args.keep)
-            chosen = {"kept_layers": keep.tolist(), "block_influence": [round(b, 5) for b in influence.tolist()]}
-        else:
-            importance = neuron_importance(parent, ids)                                # (L, ffn)
-            keep = keep_neurons(importance, args.keep)
-            kept = importance.gather(1, keep).sum(1) / importance.sum(1)                # (L,)
-            chosen = {"ffn_dim": args.keep, "parent_ffn_dim": cfg.ffn_dim,
-                      "importance_kept": [round(k, 4) for k in kept.tolist()]}
-        sibling = prune(parent, kind, keep).train().requires_grad_(True)
-        opt, step = optimizer(sibling, args.lr), 0
-        log(f"measuring parent and unhealed sibling on {held.numel()} held-out tokens")
-        before = heldout(sibling, parent, held)
-        record = {"kind": kind, **chosen, "n_layers": sibling.config.n_layers, "params": n_params(sibling),
-                  "parent_params": n_params(parent), "parent_fingerprint": fingerprint(args.parent),
-                  "ppl": {"parent": before["parent_ppl"], "before": before["ppl"]}, "kl": {"before": before["kl"]},
-                  "train_kl": [], "seconds": 0.0}
-        meta = {"flags": flags, "config": sibling.config.to_hf(), "record": record}
+        sibling, opt, step, keep, meta = _pruned(args, parent, tok, held, flags, log)
+    record = meta["record"]
     spent = record["seconds"]
 
     stream = healing_stream(args.heal_data, tok)                                       # (N,)
@@ -372,26 +343,77 @@ def build(args, log=print):
     log(f"measuring the healed sibling on {held.numel()} held-out tokens")
     after = heldout(sibling, parent, held)
     record["ppl"]["after"], record["kl"]["after"] = after["ppl"], after["kl"]
-    record.update(
-        weight_change=weight_change(sibling, parent, kind, keep),
-        heal={"text": f"{Path(args.heal_data).name}: {len(stream)} tokens, headers stripped",
+    record.update(weight_change=weight_change(sibling, parent, args.kind, keep), **_how(args, len(stream), steps),
+                  seconds=round(spent + time.time() - t0, 1), flags=flags)
+    _save(out, sibling, parent.config, args.parent, record)
+    state.unlink()
+    log(table(out, record))
+    return sibling, record
+
+
+def _built(out, flags, log):
+    """The sibling OUT already holds (built with these flags) and its record."""
+    record = json.loads((out / "family.json").read_text())
+    if record["flags"] != flags:
+        raise KvtError(f"{out} holds a sibling built with other flags; choose another --out or delete it")
+    log(f"{out} is built already (delete it to rebuild)\n{table(out, record)}")
+    return load_model(out), record
+
+
+def _pruned(args, parent, tok, held, flags, log):
+    """A new build's first step: score the parent's blocks or MLP neurons, prune it to the sibling, and
+    measure both on the held-out windows. Returns (sibling, optimizer, step 0, what was kept, meta)."""
+    cfg, kind = parent.config, args.kind
+    full = cfg.n_layers if kind == "depth" else cfg.ffn_dim
+    if not 0 < args.keep < full:
+        raise KvtError(f"--keep {args.keep}: a {kind} sibling keeps between 1 and {full - 1} "
+                       f"{'layers' if kind == 'depth' else 'MLP neurons per layer'}")
+    ids = windows(args.score_text, tok, args.score_seqs, args.score_len)           # (n, T)
+    log(f"scoring {'blocks' if kind == 'depth' else 'MLP neurons'} of {args.parent} on {ids.numel()} tokens")
+    if kind == "depth":
+        influence = block_influence(parent, ids)
+        keep = keep_layers(influence, args.keep)
+        chosen = {"kept_layers": keep.tolist(), "block_influence": [round(b, 5) for b in influence.tolist()]}
+    else:
+        importance = neuron_importance(parent, ids)                                # (L, ffn)
+        keep = keep_neurons(importance, args.keep)
+        kept = importance.gather(1, keep).sum(1) / importance.sum(1)                # (L,)
+        chosen = {"ffn_dim": args.keep, "parent_ffn_dim": cfg.ffn_dim,
+                  "importance_kept": [round(k, 4) for k in kept.tolist()]}
+    sibling = prune(parent, kind, keep).train().requires_grad_(True)
+    opt = optimizer(sibling, args.lr)
+    log(f"measuring parent and unhealed sibling on {held.numel()} held-out tokens")
+    before = heldout(sibling, parent, held)
+    record = {"kind": kind, **chosen, "n_layers": sibling.config.n_layers, "params": n_params(sibling),
+              "parent_params": n_params(parent), "parent_fingerprint": fingerprint(args.parent),
+              "ppl": {"parent": before["parent_ppl"], "before": before["ppl"]}, "kl": {"before": before["kl"]},
+              "train_kl": [], "seconds": 0.0}
+    meta = {"flags": flags, "config": sibling.config.to_hf(), "record": record}
+    return sibling, opt, 0, keep, meta
+
+
+def _how(args, stream_tokens, steps):
+    """The record's account of how the sibling was made: healing, scoring and held-out text, threads, seed."""
+    return dict(
+        heal={"text": f"{Path(args.heal_data).name}: {stream_tokens} tokens, headers stripped",
               "tokens": steps * args.batch * args.seq_len, "steps": steps, "batch": args.batch,
               "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "schedule": "cosine to lr/10"},
         score={"text": str(args.score_text), "windows": args.score_seqs, "length": args.score_len},
         heldout={"text": str(args.heldout_text), "windows": args.windows, "length": args.window_len},
-        threads=torch.get_num_threads(), seed=args.seed,
-        torch=torch.__version__, seconds=round(spent + time.time() - t0, 1), flags=flags)
+        threads=torch.get_num_threads(), seed=args.seed, torch=torch.__version__)
+
+
+def _save(out, sibling, cfg, parent_dir, record):
+    """The sibling as a checkpoint folder: weights, config.json, the parent's tokenizer, and family.json last
+    (its presence says the build is done)."""
     save_model(sibling, out)
     hf = json.loads((out / "config.json").read_text())
     hf.update(rope_theta=cfg.rope["rope_theta"], dtype="float32")  # rope_theta: for transformers 4.x
     _write(out / "config.json", json.dumps(hf, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(Path(args.parent) / name, out / (name + ".tmp"))
+        shutil.copyfile(Path(parent_dir) / name, out / (name + ".tmp"))
         os.replace(out / (name + ".tmp"), out / name)
     _write(out / "family.json", json.dumps(record, indent=2) + "\n")  # written last: the build is done
-    state.unlink()
-    log(table(out, record))
-    return sibling, record
 
 
 def table(out, r):
