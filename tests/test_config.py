@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvt
-from kvt import model as model_module
+from kvt import loading as model_module
 from kvt.config import KvtError, config_from_dict
 from tests.conftest import ROOT
 

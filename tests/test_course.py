@@ -66,7 +66,7 @@ def test_stubs_score_zero(name, tmp_path, capsys):
     assert not (folder / "tests").exists() and not (folder / "runs").exists()
     readme = (folder / "README.md").read_text()
     assert all(f"`{f.name}`" in readme for f in a.functions) and "OMP_NUM_THREADS=1" in readme
-    mine = (folder / "kvt" / "course.py").read_text()                # the exercises' answers are cut from it
+    mine = (folder / "kvt" / "teach" / "course.py").read_text()                # the exercises' answers are cut from it
     assert "def greedy_layers" in mine and "ridge.fit_layers(" not in mine and "calibrate(source, target" not in mine
 
 
@@ -146,7 +146,7 @@ def test_the_student_copy_cannot_grade_itself(solutions, tmp_path, capsys):
     """Guards: a student copy whose own kvt/teach/course.py decides the grade (an edited check that passes
     everything would then score full marks on stubs): the grader runs its own copy of the checks."""
     folder, grader = course.make("rope", tmp_path / "rope")
-    mine = folder / "kvt" / "course.py"
+    mine = folder / "kvt" / "teach" / "course.py"
     mine.write_text(mine.read_text().replace('    import pytest\n    student, grader = ', '    return\n    student, grader = '))
     status, printed = grade(folder, capsys)
     assert status == 1 and score(printed) == (0, 12), printed
@@ -216,8 +216,8 @@ def test_every_graded_function_has_its_code_a_case_and_a_tutorial_section():
     tutorial, docs = (course.ROOT / "tutorial.md").read_text(), (course.ROOT / "docs" / "course.md").read_text()
     for a in course.ASSIGNMENTS.values():
         for f in a.functions:
-            module = (course.KVT / f"{f.module}.py").read_text()
-            assert "raise NotImplementedError" in course.stub(module, [f]), f"{f.name} not found in kvt/{f.module}.py"
+            module = (course.KVT / course.path_of(f.module)).read_text()
+            assert "raise NotImplementedError" in course.stub(module, [f]), f"{f.name} not found in kvt/{course.path_of(f.module)}"
             assert f.name in course.CASES and f.name in course.ABOUT, f"{f.name} has no case, or no ABOUT entry"
             assert f"\n## {f.section}. " in tutorial, f"{f.name}: tutorial.md has no section {f.section}"
             short = f.name.split(".", 1)[1]
@@ -229,7 +229,7 @@ def test_every_graded_function_has_its_code_a_case_and_a_tutorial_section():
         assert all(f"\n## {n}. " in tutorial for n in a.sections)
     for name, routes in course.GIVEAWAYS.items():                  # each routed function still exists
         for r in routes:
-            source = (course.KVT / f"{r.split('.')[0]}.py").read_text()
+            source = (course.KVT / course.path_of(r.split(".")[0])).read_text()
             assert "    return 'routed'\n" in course.stub(source, [], {r: "    return 'routed'\n"}), r
 
 
@@ -283,7 +283,7 @@ class K:
 def h():
     return 4
 ''', out
-    scoring = (course.KVT / "scoring.py").read_text()
+    scoring = (course.KVT / "harness" / "scoring.py").read_text()
     stubbed = course.stub(scoring, [f for f in course.ASSIGNMENTS["evals"].functions if f.module == "scoring"])
     assert "Off by one" in scoring and "Off by one" not in stubbed
     assert "@torch.no_grad()\ndef loglikelihoods(model, pairs, via=None):\n" in stubbed

@@ -326,22 +326,22 @@ def test_user_errors_exit_2_with_one_line(world, tmp_path):
 
 
 # The run as `python run.py` starts it, but with a pause point the test controls: the SIGINT a user's Ctrl-C
-# sends is raised from inside the calibration, as its second batch of source KV is captured (stats.capture,
+# sends is raised from inside the calibration, as its second batch of source KV is captured (calibration.capture,
 # which the loop looks up at every batch), so the interrupt always lands mid-calibration (a signal sent from
 # outside raced the run, which could finish first). SIGINT's handler is set as an interactive shell leaves
 # it, whatever the test runner's own disposition (a background job inherits SIGINT ignored).
 INTERRUPTED_RUN = """
 import signal, sys
-import kvt.stats
+import kvt.harness.calibration as calibration
 from kvt.cli import entry
 signal.signal(signal.SIGINT, signal.default_int_handler)
-capture, batches = kvt.stats.capture, []
+capture, batches = calibration.capture, []
 def capture_then_ctrl_c(*args, **kwargs):
     batches.append(1)
     if len(batches) == 2:
         signal.raise_signal(signal.SIGINT)
     return capture(*args, **kwargs)
-kvt.stats.capture = capture_then_ctrl_c
+calibration.capture = capture_then_ctrl_c
 entry(["run", *sys.argv[1:]])
 """
 

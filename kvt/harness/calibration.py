@@ -100,23 +100,23 @@ def accumulate_resumable(source, target, calib, stats, batch_size=1, path=None, 
                 yield ("fit" if s < n_fit else "val"), src, tgt
             bar.update()
 
-    saved = time.monotonic()
-    for i in range(0, len(rounds), every):               # each run ends at a flush point, with or without a
-        run = rounds[i:i + every]                         # path, so a resumed run adds as an unbroken one does
-        add(stats, stream(run))
-        stats.seen = run[-1][-1][1]
-        done = stats.seen == n
-        due = torch.tensor([float(time.monotonic() - saved >= save_s)], device=stats.part("k", "fit").xx.device)
-        if path and (final if done else dist.all_reduce_(due).item() > 0):   # any rank's clock: all save
-            saved = time.monotonic()
-            all_reduce_(stats)
-            if dist.rank() == 0:
-                if not final and Path(path).exists():     # the disk holds one checkpoint of a pass whose
-                    os.remove(path)                       # result the caller keeps, not two while rewriting
-                save_stats(stats, path)
-            else:
-                zero_(stats)                              # the totals count once: on rank 0
-    bar.close()
+    with bar:                                             # closed before an interrupt's message is printed
+        saved = time.monotonic()
+        for i in range(0, len(rounds), every):               # each run ends at a flush point, with or without a
+            run = rounds[i:i + every]                         # path, so a resumed run adds as an unbroken one does
+            add(stats, stream(run))
+            stats.seen = run[-1][-1][1]
+            done = stats.seen == n
+            due = torch.tensor([float(time.monotonic() - saved >= save_s)], device=stats.part("k", "fit").xx.device)
+            if path and (final if done else dist.all_reduce_(due).item() > 0):   # any rank's clock: all save
+                saved = time.monotonic()
+                all_reduce_(stats)
+                if dist.rank() == 0:
+                    if not final and Path(path).exists():     # the disk holds one checkpoint of a pass whose
+                        os.remove(path)                       # result the caller keeps, not two while rewriting
+                    save_stats(stats, path)
+                else:
+                    zero_(stats)                              # the totals count once: on rank 0
     return all_reduce_(stats)                             # every rank: the sums over all the sequences
 
 

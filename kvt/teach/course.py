@@ -554,6 +554,19 @@ def rotation_check(a, e):
 _REFERENCE = {}  # module name -> the reference module loaded from GRADER/reference/
 
 
+def home(module):
+    """Where a module the course names lives in the package: "rope" -> "rope", "scoring" -> "harness.scoring"."""
+    for layer in ("", "harness.", "integrations.", "teach."):    # of the kvt this process imports (the student's, when grading)
+        if importlib.util.find_spec(f"kvt.{layer}{module}") is not None:
+            return layer + module
+    raise KvtError(f"kvt has no module {module!r}; name one of kvt's files")
+
+
+def path_of(module):
+    """The file of a module the course names, inside the package: "scoring" -> "harness/scoring.py"."""
+    return home(module).replace(".", "/") + ".py"
+
+
 def use_reference(grader, name, monkeypatch):
     """Swap the student's `name` for the reference one, wherever a kvt module holds it."""
     module, *path = name.split(".")
@@ -562,7 +575,7 @@ def use_reference(grader, name, monkeypatch):
         spec = importlib.util.spec_from_file_location(f"kvt_reference_{module}", file)
         _REFERENCE[module] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_REFERENCE[module])
-    owner, ref = sys.modules[f"kvt.{module}"], _REFERENCE[module]
+    owner, ref = sys.modules[f"kvt.{home(module)}"], _REFERENCE[module]
     for part in path[:-1]:                                           # a method: its class
         owner, ref = getattr(owner, part), getattr(ref, part)
     mine, theirs = getattr(owner, path[-1]), getattr(ref, path[-1])
@@ -674,7 +687,7 @@ thing in Python): the models are tiny, and on a shared or busy machine torch's t
 
 def readme(name, solution):
     a = ASSIGNMENTS[name]
-    rows = "\n".join(f"| `{f.name}` | `kvt/{f.module}.py` | {f.points} | {f.section} | {f.teaches} |"
+    rows = "\n".join(f"| `{f.name}` | `kvt/{path_of(f.module)}` | {f.points} | {f.section} | {f.teaches} |"
                      for f in a.functions)
     todo = ("This copy holds the reference solution (made with --solution)." if solution else
             "Each function below raises NotImplementedError until you write its body; its signature and docstring "
@@ -730,11 +743,11 @@ def make(name, out, grader=None, solution=False):
         (key / "reference").mkdir()
         routed = {} if solution else GIVEAWAYS.get(name, {})
         for module in dict.fromkeys([f.module for f in a.functions] + [r.split(".")[0] for r in routed]):
-            source = (KVT / f"{module}.py").read_text()
+            source = (KVT / path_of(module)).read_text()
             (key / "reference" / f"{module}.py").write_text(source)
             if not solution:
                 mine = [f for f in a.functions if f.module == module]
-                (student / "kvt" / f"{module}.py").write_text(
+                (student / "kvt" / path_of(module)).write_text(
                     stub(source, mine, {r: b for r, b in routed.items() if r.split(".")[0] == module}))
         expected = {}
         for f in a.functions:                                    # the reference's numbers: this kvt's own code
