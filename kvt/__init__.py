@@ -1,30 +1,17 @@
 """kvt: cross-model KV cache transfer, as a readable reference (arXiv 2608.03893).
 
-Stages, in the order data flows (a module never imports from a later one):
-  config, dist, rope, tokenizer, data, weights                  checkpoints and text
-  checkpoint                                                    kvt's own files: statistics, fits, mappers
-  cache, model                                                  -> models
-  scoring                                                       loglikelihood of continuations from a cache
-  toy                                                           a tiny trained family for offline use
-  family                                                        smaller siblings of a checkpoint: prune, heal
-  capture, stats                                                position-free KV -> streamed statistics
-  plan                                                          plan memory, disk and time before heavy work
-  ridge, attnfit, mlp                                           fit (attnfit: attention-weighted, kvt's option)
-  mapper                                                        apply a map (save, load)
-  fast                                                          every speed trick: the fast twins of the above
-  handoff                                                       hand a context over
-  figures                                                       the layer R^2 map; diagnostics vs retention
-  answers, tasks                                                answer metrics; the task registry and items
-  summary, evals                                                records -> retention; conditions, the run loop
-  bench                                                         measure speed
-  cascade                                                       a small -> large cascade: accuracy against cost
-  hf                                                            transformers interop: DynamicCache, transfer
-  pipeline, cli                                                 everything end to end (run.py); the kvt command
-  lm_eval                                                       kvt's conditions inside lm-evaluation-harness
-  serving                                                       a vLLM KV connector: source engine -> target engine
-  course                                                        assignments cut out of kvt, and their autograder
+The layout shows the architecture (tests/test_layout.py checks that the data flows one way):
+  kvt/          the method, in the order to read it (README, "Reading order"): rope, cache, model,
+                capture, stats, ridge, mlp, mapper, calibrate, handoff; beside it the plumbing (config,
+                tokenizer, weights, loading) and fast.py, every speed trick as a tested twin
+  harness/      what turns the method into a command: calibration text, kvt's own files, the memory plan,
+                the calibration a command runs (checkpoints, resume, several GPUs), diagnostics and the
+                gate, tasks, retention, the bench, run.py's pipeline
+  integrations/ transformers (hf), lm-evaluation-harness (lm_eval), a vLLM KV connector (serving)
+  teach/        course assignments and their autograder, pruned siblings (family), a cascade
+  cli.py        the installed `kvt` command
 """
-__version__ = "0.2.0"
+__version__ = "0.3.0"  # 0.3: the harness, integrations and teaching kit moved into folders
 
 from kvt.config import KvtError, load_config, shape  # noqa: E402
 from kvt.fast import generate  # noqa: E402  (greedy decoding; by default the fast twin, plain=True: model.generate)
