@@ -1,5 +1,7 @@
 """Shared fixtures: where ../shared lives, tiny configs, and the real SmolLM2 checkpoint when built."""
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,26 @@ def hub_cache(tmp_path_factory):
     home = tmp_path_factory.mktemp("hf")
     repos = {"Qwen/Qwen3-14B": (dict(QWEN3_CONFIG), 0), "Qwen/Qwen3-32B": (dict(QWEN3_CONFIG, num_hidden_layers=3), 1)}
     return home, {repo: hub_checkpoint(home / "hub", repo, config, seed) for repo, (config, seed) in repos.items()}
+
+
+def second_venv(tmp_path, *requirements):
+    """The python of a virtual environment that sees this interpreter's packages (torch above all) but has
+    `requirements` installed over them (from PyPI). The packages are this interpreter's, not the system's:
+    `venv --system-site-packages` would see the base Python's, which lack torch when the tests run from a
+    venv; a .pth file in the new venv lists this interpreter's site-packages after the venv's own."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    own = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    ours = [p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()]
+    (Path(own) / "kvt-tests-parent.pth").write_text("\n".join(ours) + "\n")
+    pip = subprocess.run([py, "-m", "pip", "install", "-q", *requirements], capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    return py
+
+
+def pytest_in(py, *args):
+    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:]

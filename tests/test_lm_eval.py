@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SHARED, calib_of
+from conftest import ROOT, SHARED, calib_of, pytest_in, second_venv
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")          # the harness's hf model needs it
@@ -276,29 +276,6 @@ metric_list: [{{metric: acc}}]
     for task in names:
         err = max_err(lls(ours[task]), lls(theirs[task]))
         assert err < 1e-3, f"{task}: max |loglikelihood difference| {err:.2e}"
-
-
-def second_venv(tmp_path, *requirements):
-    """The python of a virtual environment that sees this interpreter's packages (torch above all) but has
-    `requirements` installed over them (from PyPI). The packages are this interpreter's, not the system's:
-    `venv --system-site-packages` would see the base Python's, which lack torch when the tests run from a
-    venv; a .pth file in the new venv lists this interpreter's site-packages after the venv's own."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    own = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
-                         capture_output=True, text=True).stdout.strip()
-    ours = [p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()]
-    (Path(own) / "kvt-tests-parent.pth").write_text("\n".join(ours) + "\n")
-    pip = subprocess.run([py, "-m", "pip", "install", "-q", *requirements], capture_output=True, text=True)
-    assert pip.returncode == 0, pip.stderr[-2000:]
-    return py
-
-
-def pytest_in(py, *args):
-    r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:]
 
 
 @pytest.mark.slow
