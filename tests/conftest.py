@@ -188,7 +188,7 @@ def second_venv(tmp_path, *requirements):
     return py
 
 
-def pytest_in(py, *args):
+def run_pytest(py, *args):
     r = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:]

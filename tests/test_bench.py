@@ -44,7 +44,7 @@ def test_the_timed_mapping_is_the_transfer_before_its_last_step():
 def test_rate_limit_prices_the_map_at_the_prefills_flop_rate():
     """A map that runs exactly at the prefill's FLOP rate (its FLOPs' share of the prefill's time) leaves
     the rate limit equal to the measured speedup; one twice as slow, above it. Guards: pricing the map
-    with the last step's FLOPs (transfer_flops: a tiny model's last step is much of them) or leaving
+    with the last step's FLOPs (plan.transfer_flops: a tiny model's last step is much of them) or leaving
     the last step's measured time out."""
     fwd, n, prefill, last = random_mapper(SMALL, LARGE, k=2), 16, 10.0, 0.4
     at_rate = prefill * 2 * fwd.n_params() * (n - 1) / forward_flops(LARGE, n, last=True)  # the map's FLOPs at that rate

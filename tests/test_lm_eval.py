@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SHARED, calib_of, pytest_in, second_venv
+from conftest import ROOT, SHARED, calib_of, run_pytest, second_venv
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")          # the harness's hf model needs it
@@ -286,7 +286,7 @@ def test_hf_interop_on_the_lowest_declared_transformers(tmp_path):
     about 5 minutes on 2 shared cores."""
     py = second_venv(tmp_path, "transformers==5.0.0", "kernels==0.12.3")  # the kernels of its day: it imports the
     # one newer transformers need (0.19, seen through the .pth) and fails ("a revision or a version must be specified")
-    pytest_in(py, "tests/test_hf.py")
+    run_pytest(py, "tests/test_hf.py")
 
 
 @pytest.mark.slow
@@ -294,4 +294,4 @@ def test_lm_eval_on_the_lowest_declared_harness(tmp_path):
     """This file's default tests on lm-eval 0.4.10, the lowest version kvt[lmeval] declares (0.4.8 does not
     import beside transformers 5). Needs PyPI; about 3 minutes on 2 shared cores."""
     py = second_venv(tmp_path, "lm-eval==0.4.10")
-    pytest_in(py, "tests/test_lm_eval.py", "-m", "not slow")
+    run_pytest(py, "tests/test_lm_eval.py", "-m", "not slow")

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import pytest_in, second_venv
+from conftest import run_pytest, second_venv
 
 NEWEST_ON_DISK = "2.14.1"     # this machine's pip constraints cap torch at it; its wheels lie in the local index
 METHOD_TESTS = ["tests/test_models.py", "tests/test_rope.py", "tests/test_fast.py", "tests/test_stats.py",
@@ -23,4 +23,4 @@ def test_the_method_on_the_newest_torch_on_disk(tmp_path):
     version = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True,
                              text=True).stdout.strip()
     assert version.startswith(NEWEST_ON_DISK), f"the second environment runs torch {version}"
-    pytest_in(py, *METHOD_TESTS)
+    run_pytest(py, *METHOD_TESTS)

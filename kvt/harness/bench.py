@@ -47,24 +47,9 @@ from kvt.fast import keep_freed_memory, map_cache
 from kvt.handoff import Recompute, take_over
 from kvt.harness.calibration import check_pair_weights
 from kvt.mapper import Mapper
-from kvt.model import Transformer
 from kvt.loading import build_model, layer_devices
-from kvt.harness.plan import forward_flops
+from kvt.harness.plan import forward_flops, n_params, transfer_flops
 from kvt.stats import KINDS, groups
-
-
-def n_params(cfg):
-    """Parameters of a model shape, counted on the meta device (nothing is allocated)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return sum(p.numel() for p in model.parameters())
-
-
-def transfer_flops(tgt, mapper_params, T):
-    """FLOPs of a handoff of T tokens to a target of shape tgt: the map for T - 1 tokens (2 per weight of
-    the mapper, mapper.n_params(): its W, and its MLP if it has one), then the target's last token,
-    which attends over T slots."""
-    return 2 * mapper_params * (T - 1) + forward_flops(tgt, 1, last=True) + 4 * tgt.n_layers * tgt.n_heads * tgt.head_dim * T
 
 
 def last_step_bytes(cfg, T, itemsize):

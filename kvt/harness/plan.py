@@ -531,6 +531,18 @@ def forward_flops(cfg, T, last=False):
     return 2 * per_token * T + 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * T + (2 * embed if last else 0)
 
 
+def transfer_flops(tgt, mapper_params, T):
+    """FLOPs of a handoff of T tokens to a target of shape tgt: the map for T - 1 tokens (2 per weight of
+    the mapper, mapper.n_params(): its W, and its MLP if it has one), then the target's last token,
+    which attends over T slots."""
+    return 2 * mapper_params * (T - 1) + forward_flops(tgt, 1, last=True) + 4 * tgt.n_layers * tgt.n_heads * tgt.head_dim * T
+
+
+def n_params(cfg):
+    """Parameters of a model shape: every weight once, a tied embedding once (weight_bytes at one byte each)."""
+    return sum(weight_bytes(cfg, ["cpu"], torch.int8).values())
+
+
 def weight_reads(cfg, dtype=torch.bfloat16):
     """Bytes one decode step reads: every weight once (bandwidth-bound at small batch)."""
     return sum(weight_bytes(cfg, ["cpu"], dtype).values())

@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 
 from kvt.harness import tasks
-from kvt.harness.bench import transfer_flops
+from kvt.harness.plan import transfer_flops
 from kvt.config import KvtError, at_least, command, parse_pair, shape
 from kvt.harness.figures import pyplot
 from kvt.harness.plan import forward_flops, mapper_bytes

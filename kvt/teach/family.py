@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from kvt.config import KvtError, at_least, command, config_from_dict, load_config
 from kvt.harness.data import SKIP
+from kvt.harness.plan import n_params
 from kvt.loading import build_model, load_model
 from kvt.tokenizer import load_tokenizer
 from kvt.weights import fingerprint, save_model, write_safetensors
@@ -265,10 +266,6 @@ def weight_change(sibling, parent, kind, keep):
     return {k: {"mean": round(sum(v) / len(v), 5), "max": round(max(v), 5)} for k, v in by_kind.items()}
 
 
-def n_params(model):
-    return sum(p.numel() for p in model.parameters())  # a tied lm_head is counted once
-
-
 # ---------------------------------------------------------------------------------------------------
 # The command
 
@@ -384,8 +381,8 @@ def _pruned(args, parent, tok, held, flags, log):
     opt = optimizer(sibling, args.lr)
     log(f"measuring parent and unhealed sibling on {held.numel()} held-out tokens")
     before = heldout(sibling, parent, held)
-    record = {"kind": kind, **chosen, "n_layers": sibling.config.n_layers, "params": n_params(sibling),
-              "parent_params": n_params(parent), "parent_fingerprint": fingerprint(args.parent),
+    record = {"kind": kind, **chosen, "n_layers": sibling.config.n_layers, "params": n_params(sibling.config),
+              "parent_params": n_params(parent.config), "parent_fingerprint": fingerprint(args.parent),
               "ppl": {"parent": before["parent_ppl"], "before": before["ppl"]}, "kl": {"before": before["kl"]},
               "train_kl": [], "seconds": 0.0}
     meta = {"flags": flags, "config": sibling.config.to_hf(), "record": record}
