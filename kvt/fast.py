@@ -10,6 +10,7 @@ of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
     model.generate                             generate: one Reserved copy, then appends in place
     stats.add_batches (Sums.add_, float64)     add_batches: centered float32 products, upper part, Pending
     Mapper.apply / Mapper.map_layer            apply / map_layer: tiles, one GEMM with the bias, in place
+    rope.rotate (in apply)                     rotate_into: float32, no cat or neg, rounded once into the cache
     (glibc's default malloc)                   keep_freed_memory: a freed cache's memory kept for the next
 
 Which path runs is one switch, the keyword `plain`, with one default everywhere: the fast twins.
