@@ -10,6 +10,7 @@ of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
     model.generate                             generate: one Reserved copy, then appends in place
     stats.add_batches (Sums.add_, float64)     add_batches: centered float32 products, upper part, Pending
     Mapper.apply / Mapper.map_layer            apply / map_layer: tiles, one GEMM with the bias, in place
+    rope.rotate (in apply)                     rotate_into: float32, no cat or neg, rounded once into the cache
     (glibc's default malloc)                   keep_freed_memory: a freed cache's memory kept for the next
 
 Which path runs is one switch, the keyword `plain`, with one default everywhere: the fast twins.
@@ -298,7 +299,7 @@ def apply(mapper, src_cache, positions=None, devices=None, dtype=None, room=0):
 
     def stripped(k):  # keys (B, Hkv, T, D), RoPE stripped, written straight into features (G, N, Bx)
         x = torch.empty(G, B * T, Bx, dtype=work, device=k.device)
-        unfeatures(x, mapper.scope, B, T, s.n_kv_heads, s.head_dim).copy_(rope.rotate(k.to(exact), *src_rope(k.device)))
+        rotate_into(unfeatures(x, mapper.scope, B, T, s.n_kv_heads, s.head_dim), k, *src_rope(k.device))
         return x
 
     xs = {"k": {l: stripped(src_cache.keys[l]) for l in used["k"]},
@@ -319,13 +320,15 @@ def apply(mapper, src_cache, positions=None, devices=None, dtype=None, room=0):
 
 def map_layer(mapper, kind, l, xs, out, cos_sin=None):
     """mapper.map_layer written into out (B, Hkv, T, D), rotated by cos_sin (the target's RoPE; keys) when
-    given, a tile of TILE tokens of one sequence at a time on a CPU, so the tile's gathered features and
-    its outputs stay in the CPU's cache between the copy, the GEMM and the rotation. Each tile reads all
-    of W again, which pays while W is the smaller operand (By < TILE: head scope); layer scope's W
-    (k*Hkv*D, Hkv*D) is larger, and there, as on a GPU, the whole batch is one tile. Per tile: the k
-    selected layers' features copied side by side into one buffer, then x @ W + b as one baddbmm in the
-    features' dtype (for bf16 the sum over the k layers accumulates in float32 inside it and is rounded
-    once); with an MLP, mapper.map_layer on the tile."""
+    given, a tile of TILE tokens of one sequence at a time on a CPU, so the tile's features and its
+    outputs stay in the CPU's cache between the GEMM and the rotation. Each tile reads all of W again,
+    which pays while W is the smaller operand (By < TILE: head scope); layer scope's W (k*Hkv*D, Hkv*D)
+    is larger, and there, as on a GPU, the whole batch is one tile. Per tile: the k selected layers'
+    features side by side (one torch.cat), then x @ W + b as one baddbmm in the features' dtype (for
+    bf16 the sum over the k layers accumulates in float32 inside it and is rounded once; k GEMMs of one
+    layer each, beta = 1, reading each layer where it lies, would save the copy but round the running
+    sum after each layer, and in float32 they were no faster: docs/speed.md), then written into out,
+    keys rotated on the way (rotate_into); with an MLP, mapper.map_layer on the tile."""
     sel = mapper.layers[kind][l].tolist()
     x0 = xs[sel[0]]
     G, N, Bx = x0.shape
@@ -334,24 +337,32 @@ def map_layer(mapper, kind, l, xs, out, cos_sin=None):
     tile = TILE if out.device.type == "cpu" and W.shape[-1] < TILE else T  # each tile reads all of W again
     spans = ([(r, 1, t0, min(tile, T - t0)) for r in range(B) for t0 in range(0, T, tile)] if tile < T
              else [(0, B, 0, T)])                                       # (first row, rows, first slot, slots)
-    m_max = max(rows * n for _, rows, _, n in spans)                     # features per span, at most
-    buf = None if mapper.mlp_mode else torch.empty(G, m_max, len(sel) * Bx, dtype=x0.dtype, device=x0.device)
     for r, rows, t0, n in spans:
         n0, m = r * T + t0, rows * n                                      # features n0 .. n0 + m
         if mapper.mlp_mode:
             y = mapper.map_layer(kind, l, {src: xs[src][:, n0:n0 + m] for src in sel})
         else:
-            x = buf[:, :m]
-            for i, src in enumerate(sel):
-                x[:, :, i * Bx:(i + 1) * Bx] = xs[src][:, n0:n0 + m]       # (G, m, k*Bx)
+            x = torch.cat([xs[src][:, n0:n0 + m] for src in sel], dim=-1)  # (G, m, k*Bx)
             y = torch.baddbmm(b, x, W)                                    # (G, m, By)
         y = unfeatures(y, mapper.scope, rows, n, Hkv, D)                  # (rows, Hkv, n, D)
         o = out[r:r + rows, :, t0:t0 + n]
         if cos_sin is None:
             o.copy_(y)
         else:
-            cos, sin = (c[r:r + rows, :, t0:t0 + n] for c in cos_sin)
-            o.copy_(rope.rotate(y.to(cos.dtype), cos, sin))              # rounded once to the cache's dtype
+            rotate_into(o, y, *(c[r:r + rows, :, t0:t0 + n] for c in cos_sin))  # rounded once to the cache's dtype
+
+
+def rotate_into(out, x, cos, sin):
+    """out = rope.rotate(x, cos, sin), computed in cos's dtype and rounded once to out's (out: any dtype,
+    any strides, e.g. a view into a cache): x * cos, then each half's share of the other added in
+    place, x1 cos - x2 sin and x2 cos + x1 sin, without rotate_half's negation and concatenation.
+    Returns out."""
+    h = x.shape[-1] // 2
+    x = x.to(cos.dtype)
+    y = x * cos
+    y[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-1)    # rotate_half(x)[:h] = -x2
+    y[..., h:].addcmul_(x[..., :h], sin[..., h:])              # rotate_half(x)[h:] = x1
+    return out.copy_(y)
 
 
 def rotation(cfg, pos, dtype, inverse=False):

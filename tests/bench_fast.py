@@ -5,6 +5,11 @@ then `--repeats`; medians, and the ratio per round): the figures behind tutorial
     python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # fast.generate vs model.generate: in place vs torch.cat, one_query_attention, torch.mv
     python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: fast.add_batches vs stats.add_batches
     python -m tests.bench_fast stream --shape qwen3-1.7b --tokens 2048               # copy vs read-only vs the one-token step, GB/s
+    python -m tests.bench_fast step   --shape qwen3-1.7b --tokens 2048 --dtype bfloat16  # one token after 2K: Reserved vs plain Cache
+
+--profile runs the first (fast) of them once more under torch.profiler and prints where its time goes,
+op by op (self time, calls), after the race: `apply --profile` is the map, `step --profile` the
+transfer's last step, which is also one decode step (one token over the cache, every weight read once).
 
 Random weights of named shapes (apply: qwen3-0.6b -> 1.7b, k = 8; stats: tests/test_mapper_bench.py's pair,
 forward passes included, a flush's worth of batches).
@@ -79,6 +84,26 @@ def decode_fns(name, n, steps, dtype):
             "fast.generate with scaled_dot_product_attention": run(False, sdpa=True)}
 
 
+def step_fns(name, n, dtype):
+    """The one-token step after n - 1 cached slots (the transfer's last step; a decode step reads the
+    same bytes): on a Reserved cache with room for it (fast: appended in place, one_query_attention)
+    and on a plain Cache (torch.cat, scaled_dot_product_attention)."""
+    model = kvt.build_model(name, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    _, cache = model(ids[:, :-1], last=True)
+    reserved = fast.reserve(cache, 1)
+    return {"one-token step, fast.Reserved": lambda: model(ids[:, -1:], cache=reserved),
+            "one-token step, plain Cache": lambda: model(ids[:, -1:], cache=cache)}
+
+
+def profile(fn, rows=14):
+    """fn once under torch.profiler (after the race warmed it up): the ops that took the most self time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
+
+
 def stats_fns(n):
     r = {"rope_type": "default", "rope_theta": 1000000.0}
     src = Config("qwen3", 32000, 512, 14, 8, 4, 128, 1536, 1e-6, r)
@@ -120,13 +145,14 @@ def stream(name, n, dtype, repeats):
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["apply", "decode", "stats", "stream"])
+    ap.add_argument("what", choices=["apply", "decode", "step", "stats", "stream"])
     ap.add_argument("--scope", default="head", choices=["head", "layer"])
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="then the first (fast) one once under torch.profiler")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.what == "stream":
@@ -135,10 +161,13 @@ def main():
         return stream(args.shape, args.tokens, dtype, args.repeats)
     fns = {"apply": lambda: apply_fns(args.scope, args.tokens, dtype),
            "decode": lambda: decode_fns(args.shape, args.tokens, args.steps, dtype),
+           "step": lambda: step_fns(args.shape, args.tokens, dtype),
            "stats": lambda: stats_fns(args.tokens)}[args.what]()
-    print(f"{args.what}, {args.tokens} tokens, {args.dtype}, {torch.get_num_threads()} threads; median (min-max) "
+    print(f"{args.what}, {args.tokens} tokens, {args.dtype}, {hardware()}; median (min-max) "
           f"of {args.repeats} after a warm-up\n| what | s | / first, per round |\n|---|---|---|")
     race(fns, args.repeats)
+    if args.profile:
+        profile(next(iter(fns.values())))
 
 
 if __name__ == "__main__":
