@@ -113,45 +113,45 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
      Run(WROTE_RUN, ("runs/smol_depth15_to_parent/results.json",), SMOL_PAIR, needs=(DEPTH15,))),
     (r"python run\.py --pair toy-s:l --scope head --no-bench .*",
      Run(WROTE_RUN, ("runs/rc_s_l_head_*/results.json",), TOY)),
-    (r"python -m kvt\.bench --pair qwen3-(0\.6b:1\.7b|1\.7b:4b) .*",
+    (r"python -m kvt\.harness\.bench --pair qwen3-(0\.6b:1\.7b|1\.7b:4b) .*",
      Run(r"^qwen3-0\.6b:1\.7b, head scope, k=8, bfloat16 on .*peak memory", ("runs/bench.json",), BENCH, env=False)),
-    (r"python -m kvt\.figures scaling .*",
+    (r"python -m kvt\.harness\.figures scaling .*",
      Run(r"^wrote \S+\.png$", ("docs/figures/scaling-qwen3-0.6b-1.7b.png",), needs=(ANY_BENCH,), edit=bench_json)),
-    (r"python -m kvt\.figures recompute .*",
+    (r"python -m kvt\.harness\.figures recompute .*",
      Run(r"^wrote \S+\.png$", ("docs/figures/recompute-toy-s-l-head.png",), needs=RECOMPUTE)),
-    (r"python -m kvt\.figures gate .*", Run(r"^gate fitted on all runs", ("docs/figures/gate-evidence.png",),
+    (r"python -m kvt\.harness\.figures gate .*", Run(r"^gate fitted on all runs", ("docs/figures/gate-evidence.png",),
                                             needs=("python run.py", *RECOMPUTE, SMOL_RUN))),
-    (r"python -m kvt\.figures r2 --pair toy-m:l --k 1", Run(r"^toy-m -> toy-l: validation R\^2 of each target layer")),
-    (r"python -m kvt\.cascade .*",
+    (r"python -m kvt\.harness\.figures r2 --pair toy-m:l --k 1", Run(r"^toy-m -> toy-l: validation R\^2 of each target layer")),
+    (r"python -m kvt\.teach\.cascade .*",
      Run(r"^cascade over \d+ items", sizes={"--tokens": BENCH["--lengths"]}, needs=RECOMPUTE + (ANY_BENCH,),
          edit=bench_json)),
-    (r"python -m kvt\.family build --parent weights/smollm2-135m --kind (depth|width) --out \S+",
+    (r"python -m kvt\.teach\.family build --parent weights/smollm2-135m --kind (depth|width) --out \S+",
      Run(r"^weights/smollm2-135m-\S+: (depth|width) sibling, (.*\n)*  perplexity ", sizes=HEAL,
          writes=("weights/smollm2-135m-*/model.safetensors", "weights/smollm2-135m-*/family.json"))),
-    (r"python -m kvt\.toy train --out weights",
+    (r"python -m kvt\.harness\.toy train --out weights",
      Run(r"^toy-s +\d+ +20 ", ("toy/toy-s/model.safetensors",),
          {"--out": "toy", "--members": "toy-s", "--max-steps": "20"})),
-    (r"(kvt |python -m kvt\.)plan .*",
+    (r"(kvt |python -m kvt\.harness\.)plan .*",
      Run(r"^(memory plan: \S+ -> \S+ on \d+ x H[12]00 |qwen3-14b:32b: GiB the fullest device needs)")),
-    (r"python -m kvt\.course list", Run(r"^rope: .*, 12 points$")),
-    (r"python -m kvt\.course make --assignment rope --out hw1",
-     Run(r"^wrote hw1 .*; grade with: python -m kvt\.course grade hw1 --grader hw1-grader$",
+    (r"python -m kvt\.teach\.course list", Run(r"^rope: .*, 12 points$")),
+    (r"python -m kvt\.teach\.course make --assignment rope --out hw1",
+     Run(r"^wrote hw1 .*; grade with: python -m kvt\.teach\.course grade hw1 --grader hw1-grader$",
          ("hw1/kvt/rope.py", "hw1-grader/test_rope.py"))),
-    (r"python -m kvt\.course make --assignment NAME --out /tmp/c/NAME --solution",
+    (r"python -m kvt\.teach\.course make --assignment NAME --out /tmp/c/NAME --solution",
      Run(r"^wrote rope-solved \(the student copy", ("rope-solved/README.md", "rope-solved-grader/test_rope.py"),
          {"--out": "rope-solved"},
          edit=lambda argv: [a.replace("NAME", "rope") for a in argv])),
-    (r"python -m kvt\.course grade hw1 --grader hw1-grader",  # a fresh student copy: below full marks, exit 1
+    (r"python -m kvt\.teach\.course grade hw1 --grader hw1-grader",  # a fresh student copy: below full marks, exit 1
      Run(r"^ +\d+ / 12 +total$", status=1, needs=("python -m kvt.teach.course make --assignment rope --out hw1",))),
-    (r'/usr/bin/time -f "%e s wall, %U \+ %S s CPU" python -m kvt\.course grade /tmp/c/NAME '
+    (r'/usr/bin/time -f "%e s wall, %U \+ %S s CPU" python -m kvt\.teach\.course grade /tmp/c/NAME '
      r'--grader /tmp/c/NAME-grader',
      Run(r"^ +12 / 12 +total$(.*\n)*.* s wall, .* s CPU", needs=(SOLVED,),
          edit=lambda argv: [a.replace("/tmp/c/NAME", "rope-solved") for a in argv])),
-    (r"OMP_NUM_THREADS=1 python -m kvt\.course answers",
+    (r"OMP_NUM_THREADS=1 python -m kvt\.teach\.course answers",
      NotRun("all five exercises, minutes on one thread: tests/test_course.py::"
             "test_the_exercises_answers_hold_and_match_docs runs them and compares them with the block below it; "
             "docs/course.md:10 runs exercise 1 through the command here")),
-    (r"python -m kvt\.course answers",
+    (r"python -m kvt\.teach\.course answers",
      Run(r"^exercise 1: .*\n(.*\n)*  holds: ", sizes={"--exercise": "1"})),
     (r"python -m tests\.bench_models .*",
      Run(r"^\| decode 2 \| float32 \| 64 \| ", sizes={"--tokens": "64", "--decode": "2", "--repeats": "1",
@@ -165,14 +165,14 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
      NotRun("every task of the paper through run.py on 3 and 4 layers of Qwen3-0.6B's width and vocabulary: "
             "1,314 s on 2 cores (docs/headline-run.md) and no smaller size; run.py's path runs here on the toy "
             "family (README.md:19) and on SmolLM2 (README.md:70)")),
-    (r"python -m kvt\.lm_eval (.*source=DIR.*|.*--tasks TASK .*|retention out/.*)",
+    (r"python -m kvt\.integrations\.lm_eval (.*source=DIR.*|.*--tasks TASK .*|retention out/.*)",
      NotRun("a template (DIR, TASK, out/ are the reader's); docs/lm-eval.md:90-92 show it filled in for SmolLM2 "
             "(not run either, below)")),
     (r"bash docs/lm-eval/smollm2-self\.sh (target|transfer)",
      NotRun("three harness tasks on SmolLM2 with a mapper calibrated on 16 x 256 tokens: minutes each on 2 cores "
             "and no size flag; tests/test_lm_eval.py::test_exact_pair_keeps_everything_through_the_command runs "
             "python -m kvt.integrations.lm_eval end to end")),
-    (r"python -m kvt\.lm_eval retention runs/lmeval-smollm2-self/.*",
+    (r"python -m kvt\.integrations\.lm_eval retention runs/lmeval-smollm2-self/.*",
      NotRun("reads the folders of docs/lm-eval.md:90-91, not run here (above); tests/test_lm_eval.py::"
             "test_retention_pairs_by_doc_id runs retention")),
     (r"python -m tests\.bench_fits run --out runs/fits-toy .*",
@@ -183,7 +183,7 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
      Run(r"^\| toy-s -> toy-m \| paper \| ", needs=("python -m tests.bench_fits run --out runs/fits-toy --pairs "
                                                    "toy-s:m,toy-m:s,toy-m:l,toy-l:m,toy-s:l,toy-l:s -- --heldout toy "
                                                    "--no-bench",))),
-    (r"python -m kvt\.family build --parent weights/smollm2-135m --kind (depth|width) --out \S+-32k --tokens 32768 "
+    (r"python -m kvt\.teach\.family build --parent weights/smollm2-135m --kind (depth|width) --out \S+-32k --tokens 32768 "
      r"--threads 1",
      NotRun("the family build of docs/real-weights.md:15-16 with a 32K-token budget (30 minutes each on 2 cores); "
             "that command runs here at 256 tokens, and tests/test_family.py builds both kinds")),
