@@ -66,9 +66,12 @@ def test_statistics_overhead_vs_forward_passes():
 
 
 def test_apply_throughput_vs_matmul():
-    """Guards: a map that runs below half of this machine's fp32 matmul rate (the gathered features
-    copied to memory and back, a rotation pass per layer). The map and the matmul are timed in turn,
-    round by round (bench.median_times), and compared by the median over rounds of each round's ratio."""
+    """Guards: a fast map that lost its tricks (the gathered features copied to memory and back, a rotation
+    pass per layer): it must run at least 1.15x as fast as the plain Mapper.apply it is the twin of, and
+    at least a third of this machine's fp32 matmul rate. All three are timed in turn, round by round
+    (bench.median_times), and compared by the median over rounds of each round's ratio. (Against the
+    matmul alone the bound was half; on an Intel Xeon with AMX the map read 34-58% of it from run to run,
+    the code before and after a change alike, while it ran 1.3-2.8x as fast as the plain map in every round.)"""
     G, D, k, n = 4, 128, 8, 4096
     g = torch.Generator().manual_seed(0)
     layers = torch.stack([torch.randperm(SRC.n_layers, generator=g)[:k].sort().values for _ in range(TGT.n_layers)])
@@ -80,13 +83,12 @@ def test_apply_throughput_vs_matmul():
     cache = Cache(kv, kv, pos, torch.ones(1, n, dtype=torch.bool))
     flops = 2 * n * 2 * TGT.n_layers * G * k * D * D                         # K and V, every target layer
     a, w = torch.randn(n, 1024), torch.randn(1024, 1024)
-    x = torch.randn(G, n, k * D)
-    apply_s, mm_s, bmm_s = median_times([lambda: fast.apply(mapper, cache), lambda: a @ w,
-                                         lambda: torch.bmm(x, W["k"][0])], "cpu", ROUNDS)
+    apply_s, plain_s, mm_s = median_times([lambda: fast.apply(mapper, cache), lambda: mapper.apply(cache),
+                                           lambda: a @ w], "cpu", ROUNDS)
     mm_flops = 2 * n * 1024 * 1024
-    apply_rate, mm_rate = flops / apply_s / 1e9, mm_flops / mm_s / 1e9
-    bmm_rate = 2 * G * n * k * D * D / bmm_s / 1e9
     share = statistics.median((flops / ta) / (mm_flops / tm) for ta, tm in zip(apply_s.times, mm_s.times))
-    print(f"\napply n={n}: {apply_s * 1e3:.1f} ms, {apply_rate:.1f} GFLOP/s; fp32 matmul {mm_rate:.1f} GFLOP/s "
-          f"(per round, median {share:.0%}); the mapper's own bmm shape alone {bmm_rate:.1f} GFLOP/s")
-    assert share >= 0.5, f"mapper apply runs at {share:.0%} of the measured matmul throughput, below half"
+    faster = statistics.median(tp / ta for ta, tp in zip(apply_s.times, plain_s.times))
+    print(f"\napply n={n}: {apply_s * 1e3:.1f} ms, {flops / apply_s / 1e9:.1f} GFLOP/s, {share:.0%} of the fp32 "
+          f"matmul's rate and {faster:.2f}x as fast as the plain map (medians per round)")
+    assert faster >= 1.15, f"fast.apply runs {faster:.2f}x as fast as Mapper.apply, below 1.15x: its tricks are gone"
+    assert share >= 1 / 3, f"fast.apply runs at {share:.0%} of the measured matmul throughput, below a third"
