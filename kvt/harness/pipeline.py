@@ -238,6 +238,15 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def lengths_at_least(text, least):
+    """Is text comma-separated whole numbers, each at least `least`?"""
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        return False
+    return bool(lengths) and min(lengths) >= least
+
+
 def check_args(s):
     """Refuse, with one line each, the settings that can only fail later (or silently do something else)."""
     positive = at_least
@@ -274,22 +283,11 @@ def check_args(s):
         raise KvtError(f"--max-kl {s.max_kl}: a KL divergence is never negative; give a threshold of at least 0")
     if s.tasks is not None and not [t for t in s.tasks.split(",") if t.strip()]:
         raise KvtError(f"--tasks is empty; name at least one task (known: {', '.join(tasks.TASKS)})")
-    if s.nll_context is not None:
-        try:
-            contexts = [int(n) for n in s.nll_context.split(",")]
-        except ValueError:
-            contexts = []
-        if not contexts or min(contexts) < 1:
-            raise KvtError(f"--nll-context {s.nll_context!r}: give comma-separated context lengths of at least 1 "
-                           "token, e.g. 1024,4096")
-    if s.bench_lengths is not None:
-        try:
-            lengths = [int(n) for n in s.bench_lengths.split(",")]
-        except ValueError:
-            lengths = []
-        if not lengths or min(lengths) < 2:
-            raise KvtError(f"--bench-lengths {s.bench_lengths!r}: give comma-separated context lengths of at "
-                           "least 2 tokens, e.g. 512,1024,2048")
+    for option, text, least, example in (("--nll-context", s.nll_context, 1, "1024,4096"),
+                                         ("--bench-lengths", s.bench_lengths, 2, "512,1024,2048")):
+        if text is not None and not lengths_at_least(text, least):
+            raise KvtError(f"{option} {text!r}: give comma-separated context lengths of at least {least} "
+                           f"token{'s' if least > 1 else ''}, e.g. {example}")
     positive("context", s.context, 2)
     positive("batch-size", s.batch_size, why=" (items per evaluation batch)")
     for name, holds in (("weights", "the checkpoint folders"), ("data_dir", "the task data")):
