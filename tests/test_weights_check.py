@@ -212,7 +212,7 @@ def test_pipeline_checks_a_reused_mapper_against_the_models(fitted, tmp_path):
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
     inner = json.loads(meta["meta"])
-    inner["key"] = pipeline.short_hash(pipeline.mapper_key(args, skey))
+    inner["key"] = pipeline.short_id(pipeline.mapper_key(args, skey))
     write_safetensors(t_, tmp_path / f"mapper-{name}.safetensors", {**meta, "meta": json.dumps(inner)})
     tok = type("Tok", (), {"fingerprint": lambda self: meta["tokenizer"]})()
     got, _ = pipeline.get_mapper(args, s, t, tok, None, tmp_path, skey, torch.float32)

@@ -338,10 +338,6 @@ def resolve(s):
     return find_weights(src, s.weights), find_weights(tgt, s.weights), src, tgt
 
 
-def short_hash(obj):
-    return short_id(obj)
-
-
 def stats_key(s, src_dir, tgt_dir, calib):
     """What calibration statistics depend on: both checkpoints' weights, the calibration tokens, the
     statistics' dtype and candidates. Another lambda, k or mapper type reuses them."""
@@ -362,7 +358,7 @@ def mapper_name(s, skey, src_cfg):
     type), then the hash of everything else it is made from (mapper_key, which holds the k asked)."""
     key = mapper_key(s, skey)
     weighted = "-attn" if key.get("weights") == "attention" else ""
-    return f"{key['scope']}-k{k_used(src_cfg, s.k, s.candidates)}-{key['mapper']}{weighted}-{short_hash(key)}"
+    return f"{key['scope']}-k{k_used(src_cfg, s.k, s.candidates)}-{key['mapper']}{weighted}-{short_id(key)}"
 
 
 def check_disk(out, plans, s, skeys):
@@ -388,24 +384,24 @@ def get_mapper(s, source, target, tok, calib, out, skey, dtype, group=None):
     path = out / f"mapper-{name}.safetensors"
     if path.exists():
         print(f"reusing {path}")
-        mapper = load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_hash(key))
+        mapper = load_mapper(path, source.config, target.config, tok.fingerprint(), key=short_id(key))
         check_pair_weights(mapper, source, target, f"mapper {path}")          # the key's file fingerprints, checked again
         return mapper.to(dtype=dtype), name
-    stats = out / f"stats-{short_hash(skey)}"
+    stats = out / f"stats-{short_id(skey)}"
     t0 = time.time()
-    options = CalibrationOptions(checkpoint=stats, key=short_hash(skey), tokenizer=tok.fingerprint(), group=group,
+    options = CalibrationOptions(checkpoint=stats, key=short_id(skey), tokenizer=tok.fingerprint(), group=group,
                                  stats_dtype=getattr(torch, s.stats_dtype), candidates=s.candidates,
                                  progress=dist.rank() == 0, keep_stats=s.keep_stats, weights=s.token_weights,
                                  plain=s.plain)
     mapper, report = calibrate(source, target, calib, s.scope, s.k, s.lam, options=options)
     if s.mapper in MLP_MODES:
         mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[s.mapper], progress=dist.rank() == 0,
-                         checkpoint=out / f"mlp-{name}", key=short_hash(key))
+                         checkpoint=out / f"mlp-{name}", key=short_id(key))
     mapper.meta["fit_s"] = time.time() - t0                       # statistics, selection, ridge (and MLP) on this run
     used = mapper.to(dtype=dtype)                                   # the mapper as evaluation and the bench use it
     mapper.meta["diagnostics"] = diagnose(source, target, used, calib.diag, plain=s.plain)  # a region no choice saw
     mapper.meta["r2_single"] = {kind: v.tolist() for kind, v in report["r2_single"].items()}
-    mapper.meta["key"] = short_hash(key)
+    mapper.meta["key"] = short_id(key)
     if dist.rank() == 0:  # every rank fitted the same mapper from the same all-reduced statistics
         save_mapper(mapper, path)
         for f in out.glob(f"mlp-{name}-*.safetensors"):             # the mapper file holds the MLPs now
@@ -852,7 +848,7 @@ def evaluate(s, items, tok, source, target, mapper, name, out, dtype, batch):
               **({"recompute": [recompute.last, recompute.first, recompute.frac]} if recompute else {}),
               **({"recompute_by": recompute.by} if recompute.frac and recompute.by != "attention" else {})}
     conds = evals.conditions(target, source, evals.transfer(source, target, mapper, recompute, s.plain), s.plain)
-    return run_tasks(items, tok, conds, out / f"records-{name}-{short_hash(header)}.jsonl", header, batch), header
+    return run_tasks(items, tok, conds, out / f"records-{name}-{short_id(header)}.jsonl", header, batch), header
 
 
 def evaluate_back(s, items, tok, source, target, calib, out, skey, dtype, group, header, batch):
@@ -862,7 +858,7 @@ def evaluate_back(s, items, tok, source, target, calib, out, skey, dtype, group,
     rev_header = dict(header, mapper=back_name)
     conds = {"target": evals.Condition(source, plain=s.plain),
              "transfer": evals.Condition(source, evals.transfer(target, source, back, plain=s.plain), plain=s.plain)}
-    return run_tasks({"coqa": items["coqa"]}, tok, conds, out / f"records-{back_name}-{short_hash(rev_header)}.jsonl",
+    return run_tasks({"coqa": items["coqa"]}, tok, conds, out / f"records-{back_name}-{short_id(rev_header)}.jsonl",
                      rev_header, batch)
 
 
