@@ -118,6 +118,31 @@ def test_bf16_map_accumulates_in_float32():
     assert err > TOL[torch.bfloat16], f"the planted cancellation is too weak to tell: {err:.1e}"
 
 
+def largest_allocation(f):
+    """Bytes of the largest single CPU allocation made while f() runs (torch.profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        f()
+    return max(e.cpu_memory_usage for e in p.events())
+
+
+def test_the_fast_map_never_gathers_a_whole_layers_features():
+    """Head scope, k = 3 source layers, T = 1,024 tokens (4 of fast.TILE's tiles): no allocation that
+    fast.apply makes is larger than one source layer's features, while Mapper.apply's gather of the k
+    layers is k times that. Guards, without a clock (CPUs differ in how much the copy costs: 1.0x to
+    2.8x of the plain map's time, docs/speed.md): the fast map that lost its tiles, gathering the k
+    layers' features for every token into memory and reading them back."""
+    src = tiny_config("qwen3", n_layers=4, n_kv_heads=4, head_dim=64)
+    tgt = tiny_config("llama", n_layers=3, n_kv_heads=4, head_dim=64)
+    mapper = random_mapper(src, tgt, "head", k=3)
+    cache = source_cache(src, 1, 4 * fast.TILE, torch.float32)
+    layer = cache.keys[0].numel() * 4                                      # one source layer's features, bytes
+    plain = largest_allocation(lambda: mapper.apply(cache))
+    fast_ = largest_allocation(lambda: fast.apply(mapper, cache))
+    assert plain >= 3 * layer, f"the plain map's gather reads {plain} bytes, not 3 x {layer}: the probe sees nothing"
+    assert fast_ <= layer, f"fast.apply allocated {fast_} bytes at once, over one source layer's {layer}"
+
+
 @pytest.mark.parametrize("G,N,F,O", [(2, 50, 7, 3), (1, 600, 300, 5)])
 def test_add_fast_equals_add(G, N, F, O):
     """fast.add_fast_ (centered float32 products, upper part of xx) and Sums.add_ (float64 products) give the
