@@ -303,6 +303,55 @@ def test_an_unfit_gate_falls_back(case):
 
 
 @pytest.mark.slow
+def test_kvt_reads_and_writes_vllms_cpu_layouts(case):
+    """read_slots and write_slots against vLLM's own writer (cpu_attn_reshape_and_cache) on random KV: for
+    the "vec" layout (float32 and bf16) and, on a CPU with AMX tiles, the "amx" one (bf16, packed in pairs),
+    at block sizes 32, 64, 128 and head dims 32, 64, 128, what vLLM wrote reads back exactly and what kvt
+    writes is vLLM's bytes. Guards a layout guessed rather than read (keys and values swapped, the pairs
+    packed along the wrong dim, 16-slot groups taken as 32)."""
+    import torch as _torch
+    got = engine(case["py"], "layouts", "none", [], case["tmp"])
+    wrong = [r for r in got if not (r["read"] and r["write"])]
+    assert not wrong, wrong
+    want = {"vec", "amx"} if _torch.cpu._is_amx_tile_supported() else {"vec"}
+    assert {r["layout"] for r in got} == want and len(got) == 3 * (len(want) + 1), got
+
+
+@pytest.mark.slow
+def test_bf16_engines_equal_kvt_handoff_in_bf16(case):
+    """Both engines in bf16 (on this CPU's layout: "amx" with AMX tiles, "vec" without) against kvt's handoff
+    with bf16 models (the mapper in float32, as the connector loads it). The tolerance is bf16's own
+    rounding on the same prompt: `noise`, how far kvt's bf16 first-step logprobs lie from its float32 ones
+    (3e-2 to 1.2 on these prompts: the toys' logits are sharp). vLLM's first-step logprobs must lie within
+    2 x noise of kvt's bf16 ones, and each greedy token vLLM returns must be kvt's best, or within 2 x noise
+    of it, on kvt's logits along vLLM's tokens (two bf16 decoders part at near-ties: kvt's own step-by-step
+    decode and its forward over the same tokens pick differently at one such step here). Guards a bf16 KV
+    written in the float32 layout or read as float32 bytes."""
+    tmp, prompts = case["tmp"], case["prompts"]
+    engine(case["py"], "source", ROOT / "weights" / "toy-s",
+           [{"ids": p, "save": str(tmp / f"b{i}.kv")} for i, p in enumerate(prompts)], tmp, "--dtype", "bfloat16")
+    outs = engine(case["py"], "target", ROOT / "weights" / "toy-m",
+                  [{"ids": p, "load": str(tmp / f"b{i}.kv")} for i, p in enumerate(prompts)], tmp,
+                  "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW), "--dtype", "bfloat16")
+    ks, kt = (kvt.load_model(ROOT / "weights" / name, dtype=torch.bfloat16) for name in ("toy-s", "toy-m"))
+    for p, out in zip(prompts, outs):
+        assert out["kv_transfer_params"]["kvt"]["status"] == "applied", out["kv_transfer_params"]
+        logits, cache = handoff(ks, kt, case["mapper"], torch.tensor([p]))
+        f32 = handoff(case["ks"], case["kt"], case["mapper"], torch.tensor([p]))[0][0, -1].log_softmax(-1)
+        want = logits[0, -1].float().log_softmax(-1)
+        top = [int(t) for t in out["logprobs"]]
+        err = max(abs(out["logprobs"][str(t)] - want[t].item()) for t in top)
+        noise = max(abs(f32[t].item() - want[t].item()) for t in top)
+        forced, _ = kt(torch.tensor([out["tokens"][:-1]]), cache=cache)          # kvt's logits on vLLM's path
+        steps = torch.cat([logits[:, -1:], forced], 1)[0].float().log_softmax(-1)  # (NEW, V)
+        gaps = [(steps[i].max() - steps[i, t]).item() for i, t in enumerate(out["tokens"])]
+        print(f"{len(p)} tokens: vLLM bf16 vs kvt bf16 {err:.3e}, kvt bf16 vs float32 {noise:.3e}, "
+              f"largest gap of vLLM's tokens {max(gaps):.3e}")
+        assert err <= 2 * noise, f"{len(p)} tokens: logprobs {err:.2e} from kvt's bf16 handoff, bf16's noise {noise:.2e}"
+        assert max(gaps) <= 2 * noise, f"{len(p)} tokens: vLLM's tokens {out['tokens']} part from kvt's path: {gaps}"
+
+
+@pytest.mark.slow
 def test_a_target_with_other_weights_falls_back(case):
     """A target engine whose weights are not the mapper's target's (toy-m's config.json, every tensor moved
     by 1% noise) serves every load as fallback_reprefill, naming its weights: guards a connector that
@@ -322,7 +371,7 @@ def test_a_target_with_a_prefix_cache_or_another_layout_is_refused(case):
     on this CPU) the connector does not read. Either refuses to start, saying what to do."""
     tmp, m = case["tmp"], str(case["tmp"] / "m.safetensors")
     for args, want in ((["--prefix-caching"], "start it with enable_prefix_caching=False"),
-                       (["--dtype", "bfloat16"], "start the engine with dtype='float32'")):
+                       (["--dtype", "bfloat16", "--block-size", "16"], "not 'vec16'")):
         message = engine(case["py"], "start", ROOT / "weights" / "toy-m", [], tmp, "--mapper", m, *args)
         assert want in message, message
 

@@ -4,10 +4,11 @@
     python -m tests.vllm_engines target weights/toy-m requests.json out.json --mapper m.safetensors [--gate max_kl=0]
     python -m tests.vllm_engines ttft weights/toy-m requests.json out.json --mapper m.safetensors --repeats 5
     python -m tests.vllm_engines start weights/toy-m none.json out.json --mapper m.safetensors --prefix-caching
+    python -m tests.vllm_engines layouts none none.json out.json
 
 requests.json: a list of {"ids": [...], "save": path} (source) or {"ids": [...], "load": path or null} (target;
 a source engine answers a load as "unsupported").
-Each engine runs in its own process (vLLM keeps one KV connector per process), in float32, eagerly, on the
+Each engine runs in its own process (vLLM keeps one KV connector per process), in --dtype (float32), eagerly, on the
 CPU, with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: on 2 shared cores a separate
 engine process makes every step wait for the other). out.json: per request its greedy tokens, the
 first step's top-20 logprobs and kv_transfer_params; for ttft, the median seconds to the first token of
@@ -23,14 +24,45 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def engine(model, mapper=None, role="kv_consumer", gate=None, prefix_caching=False, dtype="float32"):
+def engine(model, mapper=None, role="kv_consumer", gate=None, prefix_caching=False, dtype="float32", block_size=None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from kvt.integrations.serving import connector_config
     config = KVTransferConfig(**connector_config(mapper, role, **(gate or {})))
+    extra = {"block_size": block_size} if block_size else {}
     return LLM(model=str(model), dtype=dtype, max_model_len=2048, enforce_eager=True, seed=0,
-               enable_prefix_caching=prefix_caching, kv_transfer_config=config)
+               enable_prefix_caching=prefix_caching, kv_transfer_config=config, **extra)
+
+
+def layouts():
+    """kvt's read_slots and write_slots against vLLM's own writer (cpu_attn_reshape_and_cache), for each
+    CPU layout this machine's vLLM uses: per (layout, dtype, block size, head dim), whether read_slots
+    reads back what vLLM wrote, and write_slots writes the same bytes."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from kvt.integrations.serving import read_slots, slots, write_slots
+    cases = [("vec", torch.float32), ("vec", torch.bfloat16)]
+    if torch.cpu._is_amx_tile_supported():
+        cases.append(("amx", torch.bfloat16))
+    out = []
+    for layout, dtype in cases:
+        for bs, D in ((32, 64), (128, 128), (64, 32)):
+            g = torch.Generator().manual_seed(bs + D)
+            nb, H, n = 4, 2, 2 * bs + 7
+            K, V = (torch.randn(n, H, D, generator=g).to(dtype) for _ in range(2))
+            blocks = torch.randperm(nb, generator=g)[:3].tolist()
+            block, offset = slots(blocks, n, bs)
+            theirs, ours = (torch.zeros(nb, H, bs, 2 * D, dtype=dtype) for _ in range(2))
+            kc, vc = theirs.view(nb, H, 2 * bs, D).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(K, V, kc, vc, block * bs + offset, layout, k_scale=1.0, v_scale=1.0,
+                                           kv_cache_dtype="auto")
+            k, v = read_slots(theirs, layout, block, offset)
+            write_slots(ours, layout, block, offset, K, V)
+            out.append({"layout": layout, "dtype": str(dtype), "block_size": bs, "head_dim": D,
+                        "read": torch.equal(k, K) and torch.equal(v, V), "write": torch.equal(ours, theirs)})
+    return out
 
 
 def params(max_tokens, extra, logprobs=20):
@@ -75,7 +107,7 @@ def ttft(llm, requests, repeats):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["source", "target", "ttft", "start"])
+    p.add_argument("what", choices=["source", "target", "ttft", "start", "layouts"])
     p.add_argument("model")
     p.add_argument("requests")
     p.add_argument("out")
@@ -84,22 +116,25 @@ def main():
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prefix-caching", action="store_true", help="start: with vLLM's prefix cache on")
-    p.add_argument("--dtype", default="float32", help="start: the engine's dtype")
+    p.add_argument("--dtype", default="float32", help="the engine's dtype")
+    p.add_argument("--block-size", type=int, help="start: the engine's KV block size")
     a = p.parse_args()
-    requests = json.load(open(a.requests)) if a.what != "start" else []
+    requests = json.load(open(a.requests)) if a.what not in ("start", "layouts") else []
     gate = {k: float(v) for k, v in (g.split("=") for g in a.gate)}
     if a.what == "start":                           # does the engine start? "started" or why not
         try:
-            engine(a.model, a.mapper, prefix_caching=a.prefix_caching, dtype=a.dtype)
+            engine(a.model, a.mapper, prefix_caching=a.prefix_caching, dtype=a.dtype, block_size=a.block_size)
             result = "started"
         except Exception as e:  # vLLM wraps the connector's KvtError; its message is what we check
             result = str(e)
+    elif a.what == "layouts":
+        result = layouts()
     elif a.what == "source":
-        result = run(engine(a.model, role="kv_producer"), requests, 1, "kv_producer")
+        result = run(engine(a.model, role="kv_producer", dtype=a.dtype), requests, 1, "kv_producer")
     elif a.what == "target":
-        result = run(engine(a.model, a.mapper, gate=gate), requests, a.max_tokens, "kv_consumer")
+        result = run(engine(a.model, a.mapper, gate=gate, dtype=a.dtype), requests, a.max_tokens, "kv_consumer")
     else:
-        result = ttft(engine(a.model, a.mapper), requests, a.repeats)
+        result = ttft(engine(a.model, a.mapper, dtype=a.dtype), requests, a.repeats)
     with open(a.out + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(a.out + ".tmp", a.out)

@@ -30,9 +30,10 @@ checks the KV it maps: finite, and within the largest magnitude the source's cal
 load with status "unsupported".
 
 vLLM's CPU attention keeps each layer's KV as one (num_blocks, Hkv, block_size, 2 * D) tensor: per block and
-KV head, the keys stored transposed (D, block_size), then the values (block_size, D), keys after RoPE as
-kvt's Cache holds them (paged_view). That is the layout of its "vec" kernels, which float32 takes; bf16 on a
-CPU with AMX takes other kernels and another layout, so the connector refuses any dtype but float32.
+KV head, the keys, then the values, keys after RoPE as kvt's Cache holds them, in the layout of the kernels
+vLLM picks for the engine's dtype and CPU (LAYOUTS): "vec" (float32; bf16 without AMX) or "amx" (bf16 on
+a CPU with AMX tiles). read_slots and write_slots index them; tests/test_vllm.py checks both against
+vLLM's own writer (cpu_attn_reshape_and_cache). The connector refuses any other layout in one line.
 vLLM is imported here only, and only when this file is.
 """
 import hashlib
@@ -127,14 +128,49 @@ def file_id(path):
 
 
 
-def paged_view(kv, block_size):
-    """(keys, values) views (num_blocks, Hkv, block_size, D) of a layer's KV in vLLM's CPU layout (num_blocks,
-    Hkv, block_size, 2D): per block and KV head, the keys transposed (D, block_size), then the values
-    (block_size, D) (the layout of its "vec" kernels, float32)."""
+def vec_views(kv):
+    """The "vec" kernels' layout, per block and KV head: keys transposed (D, block_size), then values
+    (block_size, D). Views (nb, Hkv, D, bs) and (nb, Hkv, bs, D)."""
     nb, Hkv, bs, D2 = kv.shape
-    halves = kv.view(nb, Hkv, 2, bs * D2 // 2)                          # keys, then values, of each block and head
-    keys = halves[:, :, 0].unflatten(-1, (D2 // 2, bs)).transpose(2, 3)  # (nb, Hkv, D, bs) -> (nb, Hkv, bs, D)
-    return keys, halves[:, :, 1].unflatten(-1, (bs, D2 // 2))
+    halves = kv.view(nb, Hkv, 2, bs * D2 // 2)
+    return halves[:, :, 0].unflatten(-1, (D2 // 2, bs)), halves[:, :, 1].unflatten(-1, (bs, D2 // 2))
+
+
+def amx_views(kv):
+    """The "amx" kernels' layout (bf16), per block and KV head, packed in pairs for the AMX tiles: keys
+    (bs/16, D/2, 16, 2), slot t and dim d at [t // 16, d // 2, t % 16, d % 2]; then values
+    (D/16, bs/2, 16, 2), at [d // 16, t // 2, d % 16, t % 2]."""
+    nb, Hkv, bs, D2 = kv.shape
+    D = D2 // 2
+    halves = kv.view(nb, Hkv, 2, bs * D)
+    return (halves[:, :, 0].unflatten(-1, (bs // 16, D // 2, 16, 2)),
+            halves[:, :, 1].unflatten(-1, (D // 16, bs // 2, 16, 2)))
+
+
+# per layout: its views, and the index of n slots (block (n,), offset (n,)) in each, as functions
+LAYOUTS = {
+    "vec": (vec_views, lambda b, o: (b, slice(None), slice(None), o),                         # (n, Hkv, D)
+            lambda b, o: (b, slice(None), o)),                                                 # (n, Hkv, D)
+    "amx": (amx_views, lambda b, o: (b, slice(None), o // 16, slice(None), o % 16),            # (n, Hkv, D/2, 2)
+            lambda b, o: (b, slice(None), slice(None), o // 2, slice(None), o % 2)),           # (n, Hkv, D/16, 16)
+}
+
+
+def read_slots(kv, layout, block, offset):
+    """Keys and values (n, Hkv, D) of n slots of a layer's paged KV."""
+    views, at_k, at_v = LAYOUTS[layout]
+    k, v = views(kv)
+    n, Hkv, D = len(block), kv.shape[1], kv.shape[3] // 2
+    return k[at_k(block, offset)].reshape(n, Hkv, D), v[at_v(block, offset)].reshape(n, Hkv, D)
+
+
+def write_slots(kv, layout, block, offset, keys, values):
+    """Write keys and values (n, Hkv, D) into n slots of a layer's paged KV, in place."""
+    views, at_k, at_v = LAYOUTS[layout]
+    k, v = views(kv)
+    ik, iv = at_k(block, offset), at_v(block, offset)
+    k[ik] = keys.reshape(k[ik].shape)
+    v[iv] = values.reshape(v[iv].shape)
 
 
 def slots(block_ids, n, block_size):
@@ -153,11 +189,11 @@ class KvtConnector(KVConnectorBase_V1):
         self.weights = folder_fingerprint(folder)                          # what a KV file or a mapper is bound to
         self.block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
-        isa = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
-        if dtype != torch.float32 or isa != "vec":
-            raise KvtError(f"kvt's connector knows vLLM's CPU KV layout in float32 ('vec' kernels), not {dtype} "
-                           f"('{isa}' kernels, head dim {self.cfg.head_dim}); start the engine with dtype='float32' "
-                           "(head dims that are multiples of 32)")
+        self.layout = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
+        if self.layout not in LAYOUTS:
+            raise KvtError(f"kvt's connector knows vLLM's CPU KV layouts {sorted(LAYOUTS)}, not '{self.layout}' (the "
+                           f"kernels for {dtype}, head dim {self.cfg.head_dim}, block size {self.block_size}); start the "
+                           "engine in float32 or bfloat16 on x86, with a head dim and block size that are multiples of 32")
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.mapper, self.unfit, self.mapper_id = None, None, None
         self.plain = plain_requested() or bool(extra.get("plain"))                  # the map's plain path (Mapper.apply)
@@ -298,9 +334,8 @@ class KvtConnector(KVConnectorBase_V1):
         mapped = fast.map_cache(self.mapper, src, dtype=kv0.dtype, plain=self.plain)  # L x (1, Hkv, n, D)
         block, offset = slots(load.block_ids, load.n, self.block_size)
         for l, kv in sorted(self.kv_caches.items()):
-            keys, values = paged_view(kv, self.block_size)
-            keys[block, :, offset] = mapped.keys[l][0].transpose(0, 1)      # (n, Hkv, D) into n slots
-            values[block, :, offset] = mapped.values[l][0].transpose(0, 1)
+            write_slots(kv, self.layout, block, offset, mapped.keys[l][0].transpose(0, 1),   # (n, Hkv, D)
+                        mapped.values[l][0].transpose(0, 1))
 
     def get_block_ids_with_load_errors(self):
         errors, self.errors = self.errors, set()
@@ -316,10 +351,9 @@ class KvtConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         l = extract_layer_index(layer_name)
         for save in self._get_connector_metadata().saves:
-            keys, values = paged_view(kv_layer, self.block_size)
             block, offset = slots(save.block_ids, len(save.ids), self.block_size)
-            self.saved.setdefault(save.req_id, {})[l] = (keys[block, :, offset].transpose(0, 1).clone(),   # (Hkv, T, D)
-                                                         values[block, :, offset].transpose(0, 1).clone())
+            keys, values = read_slots(kv_layer, self.layout, block, offset)                  # (T, Hkv, D)
+            self.saved.setdefault(save.req_id, {})[l] = (keys.transpose(0, 1), values.transpose(0, 1))
 
     def wait_for_save(self):
         for save in self._get_connector_metadata().saves:
