@@ -21,7 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvt.integrations.router import Router, free_port, make_server
+from kvt.config import KvtError
+from kvt.integrations.router import Router, free_port, make_server, stop, wait_healthy
 
 
 class Fake:
@@ -202,6 +203,44 @@ def test_what_the_router_does_not_take_is_a_400_with_a_kvt_status(fakes):
     assert not source.seen and not target.seen
 
 
+def alive(pgid):
+    """Whether any process of group pgid is still running (zombies left for init do not count)."""
+    for stat in os.listdir("/proc"):
+        try:
+            fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def test_a_server_that_fails_to_start_is_one_line_naming_its_cause_and_log(tmp_path):
+    """Guards: the stack's error quoting the last line of a vLLM log (a resource_tracker warning at exit)
+    instead of the exception that stopped it, or leaving out where the whole log is."""
+    log = tmp_path / "target.log"
+    log.write_text("(APIServer pid=1) WARNING [system_utils.py:255] This can cause fd limit errors like `OSError: [Errno 24]`\n"
+                   "(Worker pid=2) ERROR [multiproc_executor.py:1063] kvt.config.KvtError: the target engine caches prefixes\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n"
+                   "  warnings.warn('resource_tracker: There appear to be %d '\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    with pytest.raises(KvtError) as e:
+        wait_healthy("target", proc, dead_url(), log, timeout=30)
+    assert str(e.value) == (f"the target server exited with status 1 before it was healthy (kvt.config.KvtError: the "
+                            f"target engine caches prefixes); its log: {log}"), str(e.value)
+
+
+def test_stop_ends_the_whole_process_group():
+    """Guards: stopping only each server's own process (p.terminate()), which leaves vLLM's engine core and
+    workers (its children, in its process group) running as orphans."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+    time.sleep(0.3)
+    stop([proc])
+    time.sleep(0.1)
+    assert not alive(proc.pid), "a child of the server's process group is still running"
+
+
 def test_the_router_imports_neither_vllm_nor_the_connector():
     """Guards: `from kvt.integrations.serving import connector_config` in the router, which would make it
     import vLLM (and so need the vLLM Python) only to route HTTP requests."""
@@ -212,3 +251,109 @@ def test_the_router_imports_neither_vllm_nor_the_connector():
     names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not {n for n in names if n.split(".")[0] == "vllm" or n.endswith("serving")}, names
+
+
+# ---- the real stack: two vLLM servers and the router, on the toy pair (slow) --------------------------
+
+@pytest.mark.slow
+def test_the_stack_on_the_toy_pair(tmp_path):
+    """The documented stack (run.py's mapper, then `python -m kvt.integrations.router stack`) in the vLLM Python:
+    an escalated request of 150 token ids is applied with T - 1 slots and its greedy tokens and first-step
+    logprobs equal kvt's handoff + generate on the same mapper, a plain one the source's own; 8 clients x 6
+    mixed requests are all answered; with the source server killed, escalated requests are still answered
+    by the target's own prefill, saying the source failed; SIGTERM stops every server process.
+    Guards the router's HTTP bodies against the real server (kv_transfer_params in and out, the verdict's
+    place), the stack's command lines and connector configs, and orphaned engines."""
+    import torch
+
+    import kvt
+    from kvt.handoff import handoff
+    from kvt.harness import toy
+    from kvt.harness.files import load_mapper
+    from tests.conftest import ROOT
+    from tests.test_vllm import ATOL, NEW, own, vllm_python
+
+    r = subprocess.run([sys.executable, "run.py", "--tasks", "none", "--no-bench", "--out", str(tmp_path / "run")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (mapper_file,) = (tmp_path / "run").glob("mapper-*.safetensors")
+    ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
+    mapper, tok = load_mapper(mapper_file), kvt.load_tokenizer(ROOT / "weights" / "toy-m")
+    text = tok.encode(" ".join(toy.corpus(40, seed=5)))
+    kv_dir, err = tmp_path / "kv", open(tmp_path / "stack.err", "w")
+    stack = subprocess.Popen([sys.executable, "-m", "kvt.integrations.router", "stack", "--source", "weights/toy-s",
+                              "--target", "weights/toy-m", "--mapper", str(mapper_file),
+                              "--vllm-python", vllm_python(tmp_path), "--kv-dir", str(kv_dir),
+                              "--port", str(free_port()), "--start-timeout", "240"],
+                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=err,
+                             text=True)
+    urls, pids = {}, {}
+    try:
+        for line in stack.stdout:                   # "<name>  <url>  ... (pid N, log ...)", the router last
+            name, urls[name] = line.split()[:2]
+            pids.update({name: int(m.group(1)) for m in [re.search(r"\(pid (\d+)", line)] if m})
+            if name == "router":
+                break
+        assert "router" in urls, (tmp_path / "stack.err").read_text()[-3000:]
+
+        def request(ids, escalate, max_tokens=NEW):
+            return ask(urls["router"], {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5,
+                                        "ignore_eos": True, "return_token_ids": True,
+                                        "return_tokens_as_token_ids": True, "escalate": escalate})
+
+        def first_logprobs(out):   # {"token_id:123": logprob} -> {123: logprob}
+            return {int(t.split(":")[1]): lp for t, lp in out["choices"][0]["logprobs"]["top_logprobs"][0].items()}
+
+        p = text[:150]
+        ids = torch.tensor([p])
+        status, out = request(p, True)
+        assert status == 200 and out["kvt"]["status"] == "applied" and out["kvt"]["slots"] == len(p) - 1, out["kvt"]
+        logits, cache = handoff(ks, kt, mapper, ids)
+        want = logits[0, -1].log_softmax(-1)
+        err_lp = max(abs(lp - want[t].item()) for t, lp in first_logprobs(out).items())
+        assert err_lp <= ATOL, f"first-step logprobs differ from kvt's handoff by {err_lp:.2e}"
+        assert out["choices"][0]["token_ids"] == kvt.generate(kt, logits[:, -1], cache, NEW)[0]
+
+        status, out = request(p, False)
+        own_lp, tokens = own(ks, ids)
+        assert status == 200 and out["kvt"] == {"status": "source"}, out["kvt"]
+        err_lp = max(abs(lp - own_lp[t].item()) for t, lp in first_logprobs(out).items())
+        assert err_lp <= ATOL and out["choices"][0]["token_ids"] == tokens, f"the source's own: {err_lp:.2e}"
+
+        answers = {}                                 # 8 clients x 6 requests, every other one escalated
+
+        def client(c):
+            for j in range(6):
+                n = 20 + 23 * (6 * c + j) % 200
+                answers[c, j] = (j + c) % 2 == 0, request(text[:n], (j + c) % 2 == 0, max_tokens=4)
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(answers) == 48, f"{48 - len(answers)} requests unanswered"
+        for (c, j), (escalated, (status, out)) in answers.items():
+            assert status == 200, (c, j, out)
+            if not escalated:
+                assert out["kvt"] == {"status": "source"}, (c, j, out["kvt"])
+            else:
+                assert out["kvt"]["status"] == "applied" or \
+                    out["kvt"]["status"] == "fallback_reprefill" and out["kvt"]["reason"], (c, j, out["kvt"])
+        assert not list(kv_dir.glob("*.kv.safetensors")), "KV files left behind"
+
+        os.killpg(pids["source"], signal.SIGKILL)    # the source server dies mid-run
+        while alive(pids["source"]):
+            time.sleep(0.2)
+        for n in (30, 90):
+            status, out = request(text[:n], True)
+            assert status == 200 and out["kvt"]["status"] == "fallback_reprefill", out
+            assert out["kvt"]["reason"].startswith("source server: "), out["kvt"]
+            assert out["choices"][0]["token_ids"] == own(kt, torch.tensor([text[:n]]))[1], "the target's own prefill"
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        stack.wait(90)
+        left = [name for name, pid in pids.items() if alive(pid)]
+        for name in left:
+            os.killpg(pids[name], signal.SIGKILL)
+    assert not left, f"SIGTERM to the stack left these servers running: {left}"

@@ -34,6 +34,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -69,11 +70,11 @@ def post(who, url, body, timeout):
     except urllib.error.HTTPError as e:       # the server answered with an error: its message, first line
         text = e.read().decode(errors="replace")
         try:
-            text = json.loads(text)["error"]["message"]
+            text = str(json.loads(text)["error"]["message"])   # vLLM's {"error": {"message": ...}}
         except (ValueError, KeyError, TypeError):
             pass
-        raise Failed(who, f"HTTP {e.code}: {text.strip().splitlines()[0][:300] if text.strip() else e.reason}",
-                     e.code if 400 <= e.code < 500 else 502) from None
+        first = (text.strip().splitlines() or [str(e.reason)])[0][:300]
+        raise Failed(who, f"HTTP {e.code}: {first}", e.code if 400 <= e.code < 500 else 502) from None
     except (OSError, http.client.HTTPException, ValueError) as e:  # refused, timed out, cut off, not JSON
         raise Failed(who, str(getattr(e, "reason", e)) or type(e).__name__) from None
 
@@ -218,14 +219,24 @@ def start_vllm(py, model, port, config, log, a, *extra):
     return subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+ERROR_LINE = re.compile(r"(?:^|\] )([\w.]*(?:Error|Exception): .+)")   # "kvt.config.KvtError: ..." in a log line
+
+
+def cause(log):
+    """The first exception a server's log names (vLLM logs the root cause first, each process's again), else
+    its last line."""
+    lines = [l.strip() for l in Path(log).read_text(errors="replace").splitlines() if l.strip()]
+    found = [m.group(1) for l in lines for m in [ERROR_LINE.search(l)] if m]
+    return (found or lines[-1:] or ["no output"])[0][:300]
+
+
 def wait_healthy(name, proc, url, log, timeout):
     """Return once url/health answers 200; a one-line KvtError when the server exits or takes too long."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
-            lines = [l for l in Path(log).read_text(errors="replace").splitlines() if l.strip()]
             raise KvtError(f"the {name} server exited with status {proc.returncode} before it was healthy "
-                           f"({lines[-1].strip()[:300] if lines else 'no output'}); its log: {log}")
+                           f"({cause(log)}); its log: {log}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
