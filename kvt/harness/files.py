@@ -220,14 +220,17 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
 KV_FORMAT = "kvt-kv-1"
 
 
-def save_kv(path, cache, ids, model_fingerprint, tokenizer_fingerprint):
+def save_kv(path, cache, ids, model_fingerprint, tokenizer_fingerprint, weights_fingerprint=None):
     """Write a batch-1 Cache of T slots (keys after RoPE, positions 0..T-1) and its T token ids (list of
-    int) as safetensors, atomically, with the source model's and tokenizer's fingerprints."""
+    int) as safetensors, atomically, with the source model's config, tokenizer and weights fingerprints
+    (weights.folder_fingerprint or model_fingerprint; a target's connector maps only a file whose weights
+    are the mapper's source's)."""
     tensors = {"ids": torch.tensor(ids, dtype=torch.long), "positions": cache.positions[0].cpu().contiguous()}
     for l, (k, v) in enumerate(zip(cache.keys, cache.values)):
         tensors[f"k.{l}"], tensors[f"v.{l}"] = k[0].cpu().contiguous(), v[0].cpu().contiguous()  # (Hkv, T, D)
+    weights = {"weights": weights_fingerprint} if weights_fingerprint else {}
     write_safetensors(tensors, path, {"format": KV_FORMAT, "model": model_fingerprint,
-                                      "tokenizer": tokenizer_fingerprint, "layers": str(len(cache.keys))})
+                                      "tokenizer": tokenizer_fingerprint, "layers": str(len(cache.keys)), **weights})
 
 
 def kv_header(path):

@@ -7,7 +7,8 @@
     tgt = LLM("weights/toy-m", kv_transfer_config=KVTransferConfig(**connector_config("m.safetensors")),
               enable_prefix_caching=False, ...)
     out = tgt.generate(prompt, SamplingParams(..., extra_args=kv_params(load="a.kv.safetensors")))
-    out[0].kv_transfer_params["kvt"]    # {"loaded": T - 1} or {"fallback": why}
+    out[0].kv_transfer_params["kvt"]    # {"status": "applied", "mapper": id, "slots": T - 1}, or
+                                        # {"status": "fallback_reprefill", "reason": why}, or "unsupported"
 
 The protocol is kvt's handoff (handoff.py): for a prompt of T tokens, the connector reports the first T - 1
 as loadable (get_num_new_matched_tokens), maps the source's KV of those slots with fast.map_cache (its plain
@@ -18,11 +19,15 @@ kvt's take_over does.
 Approximate KV is never served as exact: the target engine must run with enable_prefix_caching=False
 (vLLM would otherwise commit the mapped blocks to its prefix cache under the prompt's exact block hashes,
 for any later request with that prefix); the connector refuses to start otherwise. A request falls back to
-the target's own prefill, and says so in its output's kv_transfer_params["kvt"], when its KV file is
-missing or unreadable, was saved by another model than the mapper's source or with another tokenizer, holds
-other tokens than its prompt, or the mapper's gate verdict (diagnose.gate on its stored diagnostics) is not
-"fit". A load that fails on the worker reports the request's blocks (get_block_ids_with_load_errors), and
-vLLM recomputes them (kv_load_failure_policy="recompute", set by connector_config).
+the target's own prefill (status "fallback_reprefill", with the reason) when its KV file is missing or
+unreadable, was saved by another model than the mapper's source (config or weights fingerprint) or with
+another tokenizer, holds other tokens than its prompt, when this engine's weights are not the mapper's
+target's, or the mapper's gate verdict (diagnose.gate on its stored diagnostics) is not "fit". The worker
+checks the KV it maps: finite, and within the largest magnitude the source's calibration KV could hold
+(mapper meta "src_range"). A load that fails there reports the request's blocks
+(get_block_ids_with_load_errors) and its reason (build_connector_worker_meta), and vLLM recomputes them
+(kv_load_failure_policy="recompute", set by connector_config). An engine without a mapper answers a
+load with status "unsupported".
 
 vLLM's CPU attention keeps each layer's KV as one (num_blocks, Hkv, block_size, 2 * D) tensor: per block and
 KV head, the keys stored transposed (D, block_size), then the values (block_size, D), keys after RoPE as
@@ -30,6 +35,7 @@ kvt's Cache holds them (paged_view). That is the layout of its "vec" kernels, wh
 CPU with AMX takes other kernels and another layout, so the connector refuses any dtype but float32.
 vLLM is imported here only, and only when this file is.
 """
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -38,12 +44,15 @@ from safetensors import SafetensorError
 from kvt import fast
 from kvt.cache import Cache
 from kvt.config import KvtError, load_config, plain_requested
+from kvt.harness.calibration import check_range
 from kvt.harness.diagnose import gate
 from kvt.harness.files import kv_header, load_kv, load_mapper, save_kv
 from kvt.tokenizer import load_tokenizer
+from kvt.weights import comparable, folder_fingerprint
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                   KVConnectorWorkerMetadata)
     from vllm.logger import init_logger
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -99,6 +108,25 @@ class KvtMetadata(KVConnectorMetadata):
     saves: list = field(default_factory=list)
 
 
+@dataclass
+class KvtWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once a step: why each failed load failed ({req_id: reason})."""
+    failed: dict = field(default_factory=dict)
+
+    def aggregate(self, other):
+        return KvtWorkerMetadata({**self.failed, **other.failed})
+
+
+def file_id(path):
+    """12 hex digits of the sha256 of a file's bytes: the mapper's id in every verdict."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+
 def paged_view(kv, block_size):
     """(keys, values) views (num_blocks, Hkv, block_size, D) of a layer's KV in vLLM's CPU layout (num_blocks,
     Hkv, block_size, 2D): per block and KV head, the keys transposed (D, block_size), then the values
@@ -122,6 +150,7 @@ class KvtConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         folder = vllm_config.model_config.model
         self.cfg, self.tokenizer = load_config(folder), load_tokenizer(folder).fingerprint()
+        self.weights = folder_fingerprint(folder)                          # what a KV file or a mapper is bound to
         self.block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
         isa = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
@@ -130,26 +159,44 @@ class KvtConnector(KVConnectorBase_V1):
                            f"('{isa}' kernels, head dim {self.cfg.head_dim}); start the engine with dtype='float32' "
                            "(head dims that are multiples of 32)")
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self.mapper, self.unfit = None, None
+        self.mapper, self.unfit, self.mapper_id = None, None, None
         self.plain = plain_requested() or bool(extra.get("plain"))                  # the map's plain path (Mapper.apply)
         if extra.get("mapper"):
             if vllm_config.cache_config.enable_prefix_caching:
                 raise KvtError("the target engine caches prefixes: mapped (approximate) KV would be served as exact "
                                "to later requests with the same prompt; start it with enable_prefix_caching=False")
             self.mapper = load_mapper(extra["mapper"], tgt_cfg=self.cfg, tokenizer=self.tokenizer)
-            diag = self.mapper.meta.get("diagnostics")
-            if diag is None:
-                self.unfit = "the mapper carries no diagnostics for the gate (run.py stores them in its meta)"
-            else:
-                fit, reasons = gate(diag, **extra.get("gate", {}))
-                self.unfit = None if fit else "gate: unfit (" + "; ".join(reasons) + ")"
-        self.verdicts = {}      # scheduler: req_id -> {"loaded": n} | {"fallback": why} | {"saved": path}
+            self.mapper_id = file_id(extra["mapper"])
+            self.unfit = self.unfit_because(self.mapper.meta, extra.get("gate", {}))
+        self.verdicts = {}      # scheduler: req_id -> {"status": "applied" | "fallback_reprefill" | ..., ...}
         self.blocks = {}        # scheduler: req_id -> its blocks, while a load is in flight
         self.pending = {}       # scheduler: req_id -> Load, until build_connector_meta sends it
         self.savers = {}        # scheduler: req_id -> Request whose prompt KV is to be saved
         self.kv_caches = {}     # worker: layer index -> paged KV tensor
         self.saved = {}         # worker: req_id -> {layer: (k, v)} gathered during this step's forward
         self.errors = set()     # worker: blocks whose load failed this step
+        self.failed = {}        # worker: req_id -> why its load failed, this step
+
+    def unfit_because(self, meta, thresholds):
+        """Why no request may be served with this mapper on this engine, or None."""
+        made = meta.get("tgt_weights")
+        if not (comparable(made) and comparable(meta.get("src_weights"))):
+            return "the mapper records no fingerprints of its pair's weights (an older kvt made it); calibrate again"
+        if made != self.weights:
+            return (f"this engine's weights (fingerprint {self.weights}) are not those the mapper was fitted on "
+                    f"({made}): a fine-tune or another model of the same config")
+        if meta.get("src_range") is None:
+            return "the mapper records no range of its source's KV (an older kvt made it); calibrate again"
+        if meta.get("diagnostics") is None:
+            return "the mapper carries no diagnostics for the gate (run.py stores them in its meta)"
+        fit, reasons = gate(meta["diagnostics"], **thresholds)
+        return None if fit else "gate: unfit (" + "; ".join(reasons) + ")"
+
+    def applied(self, n):
+        return {"status": "applied", "mapper": self.mapper_id, "slots": n}
+
+    def fallback(self, why):
+        return {"status": "fallback_reprefill", "reason": why, **({"mapper": self.mapper_id} if self.mapper else {})}
 
     # ---- scheduler side ----
 
@@ -161,8 +208,6 @@ class KvtConnector(KVConnectorBase_V1):
     def check(self, request, path):
         """(slots to load, None) or (0, why not) for a request asking to load the KV file at path."""
         T = request.num_prompt_tokens
-        if self.mapper is None:
-            return 0, "this engine has no mapper (connector_config(mapper=...))"
         if self.unfit:
             return 0, self.unfit
         if T < 2:
@@ -174,6 +219,9 @@ class KvtConnector(KVConnectorBase_V1):
         if meta.get("model") != self.mapper.src_cfg.fingerprint():
             return 0, (f"{path} was saved by another model (fingerprint {meta.get('model')}) than the mapper's source "
                        f"({self.mapper.src_cfg.fingerprint()})")
+        if meta.get("weights") != self.mapper.meta["src_weights"]:
+            return 0, (f"{path} was saved by an engine whose weights (fingerprint {meta.get('weights')}) are not the "
+                       f"mapper's source's ({self.mapper.meta['src_weights']})")
         if meta.get("tokenizer") != self.tokenizer:
             return 0, f"{path} was saved with another tokenizer ({meta.get('tokenizer')}, this engine {self.tokenizer})"
         if ids.shape[0] < T - 1 or ids[:T - 1].tolist() != list(request.prompt_token_ids[:T - 1]):
@@ -184,8 +232,12 @@ class KvtConnector(KVConnectorBase_V1):
         path = (request.kv_transfer_params or {}).get("kvt_load")
         if not path:
             return 0, False
+        if self.mapper is None:
+            self.verdicts[request.request_id] = {"status": "unsupported",
+                                                 "reason": "this engine has no mapper (connector_config(mapper=...))"}
+            return 0, False
         n, why = self.check(request, path)
-        self.verdicts[request.request_id] = {"fallback": why} if why else {"loaded": n}
+        self.verdicts[request.request_id] = self.fallback(why) if why else self.applied(n)
         return max(0, n - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
@@ -205,15 +257,17 @@ class KvtConnector(KVConnectorBase_V1):
                 meta.saves.append(Save(req_id, request.kv_transfer_params["kvt_save"],
                                        list(self._kv_cache_manager.get_block_ids(req_id)[0]),
                                        list(request.prompt_token_ids)))
-                self.verdicts[req_id] = {"saved": request.kv_transfer_params["kvt_save"]}
+                self.verdicts[req_id] = {"status": "saved", "path": request.kv_transfer_params["kvt_save"]}
                 del self.savers[req_id]
         return meta
 
     def update_connector_output(self, connector_output):
         failed = set(connector_output.invalid_block_ids or ())
+        reasons = getattr(connector_output.kv_connector_worker_meta, "failed", {})
         for req_id, block_ids in self.blocks.items():
             if failed & set(block_ids):
-                self.verdicts[req_id] = {"fallback": "the load failed on the worker; vLLM recomputed the prompt"}
+                why = reasons.get(req_id, "unknown")
+                self.verdicts[req_id] = self.fallback(f"the load failed on the worker ({why}); vLLM recomputed the prompt")
 
     def request_finished(self, request, block_ids):
         self.blocks.pop(request.request_id, None)
@@ -231,13 +285,15 @@ class KvtConnector(KVConnectorBase_V1):
             try:
                 self.load(load)
             except (KvtError, OSError, KeyError, RuntimeError, SafetensorError) as e:
-                log.warning("kvt: the load of %s failed (%s); vLLM recomputes its blocks", load.path,
-                            str(e).splitlines()[0])
+                why = str(e).splitlines()[0]
+                log.warning("kvt: the load of %s failed (%s); vLLM recomputes its blocks", load.path, why)
                 self.errors |= set(load.block_ids[:(load.n + self.block_size - 1) // self.block_size])
+                self.failed[load.req_id] = why
 
     def load(self, load):
         """Map the file's first n slots to this engine's model and write them into the request's blocks."""
         src = load_kv(load.path, load.n)                                     # L_src x (1, Hkv_s, n, D_s)
+        check_range(src, self.mapper.meta["src_range"])
         kv0 = self.kv_caches[0]
         mapped = fast.map_cache(self.mapper, src, dtype=kv0.dtype, plain=self.plain)  # L x (1, Hkv, n, D)
         block, offset = slots(load.block_ids, load.n, self.block_size)
@@ -249,6 +305,10 @@ class KvtConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self):
         errors, self.errors = self.errors, set()
         return errors
+
+    def build_connector_worker_meta(self):
+        failed, self.failed = self.failed, {}
+        return KvtWorkerMetadata(failed) if failed else None
 
     def wait_for_layer_load(self, layer_name):
         return  # start_load_kv wrote every layer before the forward
@@ -267,4 +327,4 @@ class KvtConnector(KVConnectorBase_V1):
             T = len(save.ids)
             cache = Cache([layers[l][0][None] for l in sorted(layers)], [layers[l][1][None] for l in sorted(layers)],
                           torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool), full=True)
-            save_kv(save.path, cache, save.ids, self.cfg.fingerprint(), self.tokenizer)
+            save_kv(save.path, cache, save.ids, self.cfg.fingerprint(), self.tokenizer, self.weights)
