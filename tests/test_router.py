@@ -5,7 +5,7 @@ they receive and answer as vLLM's OpenAI server with kvt's connector does: the r
 verdict passed on, the fallbacks and the KV file's lifetime run in a second, without vLLM. The slow test
 starts the real stack on the toy pair (`python -m kvt.integrations.router stack`, two vLLM servers in the
 vLLM Python of tests/test_vllm.py) and checks its tokens against kvt's own handoff, under load and with
-the source server killed.
+the source server killed (85 s on 2 shared cores once vLLM is installed).
 """
 import json
 import os

@@ -320,6 +320,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.what == "stack":
         return stack(a)
+    Path(a.kv_dir).mkdir(parents=True, exist_ok=True)
     server = make_server(Router(a.source.rstrip("/"), a.target.rstrip("/"), str(Path(a.kv_dir).resolve()),
                                 a.escalate_at), a.host, a.port)
     print(f"router  http://{a.host}:{server.server_address[1]}  -> source {a.source}, target {a.target}", flush=True)
