@@ -100,6 +100,8 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"bash \.ci/run", NotRun("is CI itself: installs from the network, then runs the test suite, this file too")),
     (r"python -m pytest .*", NotRun(IN_CI)),
     (r"python run\.py", Run(WROTE_RUN, ("runs/*/report.md", "runs/*/results.json"), TOY)),
+    (r"python run\.py --tasks none --no-bench",   # the mapper the router's stack takes (docs/serving.md)
+     Run(WROTE_RUN, ("runs/toy-s_toy-m/mapper-*.safetensors",), {"--calib-seqs": "8", "--calib-len": "64"})),
     (r"python run\.py --pair qwen3-14b:32b .*|torchrun .*",
      NotRun("needs weights/qwen3-14b and weights/qwen3-32b (about 92 GB, downloaded) and GPUs; "
             "docs/headline-run.md:202 rehearses the same path on random weights of 3 and 4 layers")),
@@ -193,6 +195,12 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"python -m venv \.\./venv-vllm",
      NotRun("vLLM's own environment, installed from the network (docs/serving.md); tests/test_vllm.py's slow "
             "tests build the same one (or take KVT_VLLM_PYTHON) and run the connector in it")),
+    (r"python -m kvt\.integrations\.router stack .*",
+     NotRun("starts two vLLM servers: needs vLLM's environment (docs/serving.md); tests/test_router.py::"
+            "test_the_stack_on_the_toy_pair runs this command on a mapper from the run.py command before it")),
+    (r"python -m kvt\.integrations\.router serve .*",
+     NotRun("routes until stopped, for two vLLM servers already running; tests/test_router.py routes through "
+            "the same server against fake ones")),
     (r"python -m tests\.bench_serving .*",
      NotRun("needs that vLLM environment (KVT_VLLM_PYTHON); tests/test_vllm.py::"
             "test_target_engine_equals_kvt_handoff runs the same engines through the connector")),

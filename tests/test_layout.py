@@ -14,7 +14,7 @@ LAYERS = {
          "mapper", "fast", "calibrate", "handoff"],
     "harness": ["data", "dist", "files", "plan", "attnfit", "calibration", "scoring", "toy", "diagnose", "answers",
                 "tasks", "summary", "evals", "figures", "bench", "pipeline"],
-    "integrations": ["hf", "lm_eval", "serving"],
+    "integrations": ["hf", "lm_eval", "serving", "router"],
     "teach": ["family", "cascade", "course"],
     "cli": ["cli"],                          # kvt/cli.py, the installed `kvt` command: it reaches every layer
 }

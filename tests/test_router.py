@@ -1,0 +1,359 @@
+"""The router in front of two vLLM servers (kvt/integrations/router.py).
+
+By default the servers are fakes on loopback (standard-library HTTP servers in threads) that record what
+they receive and answer as vLLM's OpenAI server with kvt's connector does: the rule, the two flows, the
+verdict passed on, the fallbacks and the KV file's lifetime run in a second, without vLLM. The slow test
+starts the real stack on the toy pair (`python -m kvt.integrations.router stack`, two vLLM servers in the
+vLLM Python of tests/test_vllm.py) and checks its tokens against kvt's own handoff, under load and with
+the source server killed (85 s on 2 shared cores once vLLM is installed).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvt.config import KvtError
+from kvt.integrations.router import Router, free_port, make_server, stop, wait_healthy
+
+
+class Fake:
+    """A stand-in server on loopback: answer(path, body) -> (status, JSON); .seen holds every (path, body)."""
+
+    def __init__(self, answer):
+        self.seen = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.seen.append((self.path, body))
+                status, out = answer(self.path, body)
+                data = json.dumps(out).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def completions(self):
+        return [body for path, body in self.seen if path == "/v1/completions"]
+
+
+def source_answer(path, body):
+    """The source server: /tokenize counts words; a kvt_save writes the file, as the connector does."""
+    if path == "/tokenize":
+        return 200, {"count": len(body["prompt"].split()), "max_model_len": 2048, "tokens": []}
+    save = (body.get("kv_transfer_params") or {}).get("kvt_save")
+    if save:
+        open(save, "w").write("kv")
+        return 200, {"choices": [{"text": " x"}], "kv_transfer_params": {"kvt": {"status": "saved", "path": save}}}
+    return 200, {"choices": [{"text": " small"}], "kv_transfer_params": None}
+
+
+def target_answer(verdict):
+    """The target server: records whether the KV file it is asked to load exists, answers with verdict."""
+    def answer(path, body):
+        load = (body.get("kv_transfer_params") or {}).get("kvt_load")
+        body["file_there"] = bool(load) and os.path.exists(load)
+        return 200, {"choices": [{"text": " large"}], "kv_transfer_params": {"kvt": verdict} if load else None}
+    return answer
+
+
+APPLIED = {"status": "applied", "mapper": "m-1234", "slots": 4}
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    """(source, target, router URL, kv dir) with escalate_at=5, torn down after the test."""
+    source, target = Fake(source_answer), Fake(target_answer(APPLIED))
+    made = []
+
+    def start(escalate_at=5, source_url=None, target_url=None):
+        server = make_server(Router(source_url or source.url, target_url or target.url, str(tmp_path), escalate_at))
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        made.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield source, target, start, tmp_path
+    for server in made + [source.server, target.server]:
+        server.shutdown()
+        server.server_close()
+
+
+def ask(url, body, path="/v1/completions"):
+    """(HTTP status, JSON answer) of a POST to the router."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def dead_url():
+    return f"http://127.0.0.1:{free_port()}"   # nothing listens there: connection refused
+
+
+def test_the_rule_flag_and_length(fakes):
+    """Guards: the router-only "escalate" field (or the client's "model") forwarded to vLLM; a length threshold
+    off by one (>= --escalate-at escalates) or ignored; a list of ids sent to /tokenize; --escalate-at 0
+    escalating by length."""
+    source, target, start, _ = fakes
+    url = start(escalate_at=5)
+    cases = [({"prompt": "a b c d", "escalate": False, "model": "m"}, "source"),   # 4 words < 5
+             ({"prompt": "a b c d e"}, "target"),                                   # 5 words: escalates
+             ({"prompt": "a b", "escalate": True}, "target"),
+             ({"prompt": [1, 2, 3, 4]}, "source"),
+             ({"prompt": [1, 2, 3, 4, 5]}, "target")]
+    for body, where in cases:
+        status, out = ask(url, {**body, "max_tokens": 3})
+        assert status == 200 and out["choices"][0]["text"] == (" small" if where == "source" else " large"), (body, out)
+        if where == "source":
+            assert out["kvt"] == {"status": "source"}, out
+    counted = [body["prompt"] for path, body in source.seen if path == "/tokenize"]
+    assert counted == ["a b c d", "a b c d e"], counted        # the flag and a list of ids need no count
+    for body in source.completions() + target.completions():
+        assert "escalate" not in body and "model" not in body, body
+    status, out = ask(start(escalate_at=0), {"prompt": "a b c d e f g h", "max_tokens": 3})
+    assert out["kvt"] == {"status": "source"}, "--escalate-at 0: never by length"
+
+
+@pytest.mark.parametrize("verdict", [APPLIED, {"status": "fallback_reprefill", "reason": "gate: unfit (KL)"},
+                                     {"loaded": 4}], ids=["applied", "fallback", "older-format"])
+def test_escalated_flow_and_verdict(fakes, verdict):
+    """Guards: the source asked for the whole completion instead of max_tokens 1, or without kvt_save; the
+    target given another path than the source saved to, or the prefill body instead of the client's; the
+    connector's verdict changed or lost on the way back (it is passed on as it is, in either format); the
+    KV file left on disk."""
+    source, target, start, kv_dir = fakes
+    target_fake = Fake(target_answer(verdict))
+    url = start(target_url=target_fake.url)
+    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 8, "temperature": 0, "logprobs": 5, "escalate": True}
+    status, out = ask(url, body)
+    assert status == 200 and out["kvt"] == verdict and out["choices"][0]["text"] == " large", out
+    (pre,), (final,) = source.completions(), target_fake.completions()
+    save, load = pre["kv_transfer_params"]["kvt_save"], final["kv_transfer_params"]["kvt_load"]
+    assert pre["max_tokens"] == 1 and pre["prompt"] == body["prompt"], pre
+    assert save == load and re.fullmatch(re.escape(str(kv_dir)) + r"/[0-9a-f]{32}\.kv\.safetensors", save), (save, load)
+    assert final["file_there"], "the target was asked before the source's file was there"
+    assert {k: v for k, v in final.items() if k not in ("kv_transfer_params", "file_there")} == \
+        {k: v for k, v in body.items() if k != "escalate"}, final
+    assert not os.listdir(kv_dir), f"KV files left behind: {os.listdir(kv_dir)}"
+    target_fake.server.shutdown()
+
+
+def test_source_down_falls_back_to_the_targets_prefill(fakes):
+    """Guards: a source that is down (refused) or answers with an error failing the request, or the target
+    then asked to load a file that was never written; the fallback must say why, naming the source."""
+    source, target, start, kv_dir = fakes
+    broken = Fake(lambda path, body: (500, {"error": {"message": "engine dead\nsecond line", "code": 500}}))
+    for source_url, why in ((dead_url(), "source server: .*refused"), (broken.url, r"source server: HTTP 500: engine dead$")):
+        status, out = ask(start(source_url=source_url), {"prompt": "a b c d e f", "max_tokens": 4})
+        assert status == 200 and out["choices"][0]["text"] == " large", out
+        assert out["kvt"]["status"] == "fallback_reprefill" and re.search(why, out["kvt"]["reason"]), out["kvt"]
+        assert "kv_transfer_params" not in target.completions()[-1], "the target was told to load a missing file"
+    assert not os.listdir(kv_dir)
+    broken.server.shutdown()
+
+
+def test_a_server_down_is_a_502_naming_it(fakes):
+    """Guards: the target (escalated) or the source (not escalated) down ending as a Python traceback, an
+    empty answer or a 200; the client gets HTTP 502 and a JSON error naming the server, with a kvt status.
+    And the KV file the source saved is deleted though the target failed."""
+    source, target, start, kv_dir = fakes
+    for url, body, who in ((start(target_url=dead_url()), {"prompt": "a", "escalate": True}, "target server"),
+                           (start(source_url=dead_url()), {"prompt": [1]}, "source server")):
+        status, out = ask(url, {**body, "max_tokens": 4})
+        assert status == 502, (status, out)
+        assert out["error"]["message"].startswith(who + ":") and out["kvt"]["status"] == "error", out
+        assert "Traceback" not in json.dumps(out)
+    assert len(source.completions()) == 1 and not os.listdir(kv_dir), "the saved KV file was left behind"
+
+
+def test_what_the_router_does_not_take_is_a_400_with_a_kvt_status(fakes):
+    """Guards: a streamed request, several prompts in one (vLLM returns the verdict of the first only) or an
+    escalate flag that is not a boolean ("false" is truthy) forwarded as if understood, and a body that is
+    not JSON ending as a traceback."""
+    source, target, start, _ = fakes
+    url = start()
+    for body in ({"prompt": "a", "stream": True}, {"prompt": ["a", "b"]}, {"prompt": [[1, 2]]},
+                 {"prompt": "a", "escalate": "false"}):
+        status, out = ask(url, body)
+        assert status == 400 and out["kvt"]["status"] == "unsupported", (body, out)
+    req = urllib.request.Request(url + "/v1/completions", b"{not json", {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and json.loads(e.value.read())["kvt"]["status"] == "error"
+    assert not source.seen and not target.seen
+
+
+def alive(pgid):
+    """Whether any process of group pgid is still running (zombies left for init do not count)."""
+    for stat in os.listdir("/proc"):
+        try:
+            fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def test_a_server_that_fails_to_start_is_one_line_naming_its_cause_and_log(tmp_path):
+    """Guards: the stack's error quoting the last line of a vLLM log (a resource_tracker warning at exit)
+    instead of the exception that stopped it, or leaving out where the whole log is."""
+    log = tmp_path / "target.log"
+    log.write_text("(APIServer pid=1) WARNING [system_utils.py:255] This can cause fd limit errors like `OSError: [Errno 24]`\n"
+                   "(Worker pid=2) ERROR [multiproc_executor.py:1063] kvt.config.KvtError: the target engine caches prefixes\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n"
+                   "  warnings.warn('resource_tracker: There appear to be %d '\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    with pytest.raises(KvtError) as e:
+        wait_healthy("target", proc, dead_url(), log, timeout=30)
+    assert str(e.value) == (f"the target server exited with status 1 before it was healthy (kvt.config.KvtError: the "
+                            f"target engine caches prefixes); its log: {log}"), str(e.value)
+
+
+def test_stop_ends_the_whole_process_group():
+    """Guards: stopping only each server's own process (p.terminate()), which leaves vLLM's engine core and
+    workers (its children, in its process group) running as orphans."""
+    proc = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+    time.sleep(0.3)
+    stop([proc])
+    time.sleep(0.1)
+    assert not alive(proc.pid), "a child of the server's process group is still running"
+
+
+def test_the_router_imports_neither_vllm_nor_the_connector():
+    """Guards: `from kvt.integrations.serving import connector_config` in the router, which would make it
+    import vLLM (and so need the vLLM Python) only to route HTTP requests."""
+    import ast
+
+    import kvt.integrations.router as router
+    tree = ast.parse(open(router.__file__).read())
+    names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {n for n in names if n.split(".")[0] == "vllm" or n.endswith("serving")}, names
+
+
+# ---- the real stack: two vLLM servers and the router, on the toy pair (slow) --------------------------
+
+@pytest.mark.slow
+def test_the_stack_on_the_toy_pair(tmp_path):
+    """The documented stack (run.py's mapper, then `python -m kvt.integrations.router stack`) in the vLLM Python:
+    an escalated request of 150 token ids is applied with T - 1 slots and its greedy tokens and first-step
+    logprobs equal kvt's handoff + generate on the same mapper, a plain one the source's own; 8 clients x 6
+    mixed requests are all answered; with the source server killed, escalated requests are still answered
+    by the target's own prefill, saying the source failed; SIGTERM stops every server process.
+    Guards the router's HTTP bodies against the real server (kv_transfer_params in and out, the verdict's
+    place), the stack's command lines and connector configs, and orphaned engines."""
+    import torch
+
+    import kvt
+    from kvt.handoff import handoff
+    from kvt.harness import toy
+    from kvt.harness.files import load_mapper
+    from tests.conftest import ROOT
+    from tests.test_vllm import ATOL, NEW, own, vllm_python
+
+    r = subprocess.run([sys.executable, "run.py", "--tasks", "none", "--no-bench", "--out", str(tmp_path / "run")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (mapper_file,) = (tmp_path / "run").glob("mapper-*.safetensors")
+    ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
+    mapper, tok = load_mapper(mapper_file), kvt.load_tokenizer(ROOT / "weights" / "toy-m")
+    text = tok.encode(" ".join(toy.corpus(40, seed=5)))
+    kv_dir, err = tmp_path / "kv", open(tmp_path / "stack.err", "w")
+    stack = subprocess.Popen([sys.executable, "-m", "kvt.integrations.router", "stack", "--source", "weights/toy-s",
+                              "--target", "weights/toy-m", "--mapper", str(mapper_file),
+                              "--vllm-python", vllm_python(tmp_path), "--kv-dir", str(kv_dir),
+                              "--port", str(free_port()), "--start-timeout", "240"],
+                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=err,
+                             text=True)
+    urls, pids = {}, {}
+    try:
+        for line in stack.stdout:                   # "<name>  <url>  ... (pid N, log ...)", the router last
+            name, urls[name] = line.split()[:2]
+            pids.update({name: int(m.group(1)) for m in [re.search(r"\(pid (\d+)", line)] if m})
+            if name == "router":
+                break
+        assert "router" in urls, (tmp_path / "stack.err").read_text()[-3000:]
+
+        def request(ids, escalate, max_tokens=NEW):
+            return ask(urls["router"], {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5,
+                                        "ignore_eos": True, "return_token_ids": True,
+                                        "return_tokens_as_token_ids": True, "escalate": escalate})
+
+        def first_logprobs(out):   # {"token_id:123": logprob} -> {123: logprob}
+            return {int(t.split(":")[1]): lp for t, lp in out["choices"][0]["logprobs"]["top_logprobs"][0].items()}
+
+        p = text[:150]
+        ids = torch.tensor([p])
+        status, out = request(p, True)
+        assert status == 200 and out["kvt"]["status"] == "applied" and out["kvt"]["slots"] == len(p) - 1, out["kvt"]
+        logits, cache = handoff(ks, kt, mapper, ids)
+        want = logits[0, -1].log_softmax(-1)
+        err_lp = max(abs(lp - want[t].item()) for t, lp in first_logprobs(out).items())
+        assert err_lp <= ATOL, f"first-step logprobs differ from kvt's handoff by {err_lp:.2e}"
+        assert out["choices"][0]["token_ids"] == kvt.generate(kt, logits[:, -1], cache, NEW)[0]
+
+        status, out = request(p, False)
+        own_lp, tokens = own(ks, ids)
+        assert status == 200 and out["kvt"] == {"status": "source"}, out["kvt"]
+        err_lp = max(abs(lp - own_lp[t].item()) for t, lp in first_logprobs(out).items())
+        assert err_lp <= ATOL and out["choices"][0]["token_ids"] == tokens, f"the source's own: {err_lp:.2e}"
+
+        answers = {}                                 # 8 clients x 6 requests, every other one escalated
+
+        def client(c):
+            for j in range(6):
+                n = 20 + 23 * (6 * c + j) % 200
+                answers[c, j] = (j + c) % 2 == 0, request(text[:n], (j + c) % 2 == 0, max_tokens=4)
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(answers) == 48, f"{48 - len(answers)} requests unanswered"
+        for (c, j), (escalated, (status, out)) in answers.items():
+            assert status == 200, (c, j, out)
+            if not escalated:
+                assert out["kvt"] == {"status": "source"}, (c, j, out["kvt"])
+            else:
+                assert out["kvt"]["status"] == "applied" or \
+                    out["kvt"]["status"] == "fallback_reprefill" and out["kvt"]["reason"], (c, j, out["kvt"])
+        assert not list(kv_dir.glob("*.kv.safetensors")), "KV files left behind"
+
+        os.killpg(pids["source"], signal.SIGKILL)    # the source server dies mid-run
+        while alive(pids["source"]):
+            time.sleep(0.2)
+        for n in (30, 90):
+            status, out = request(text[:n], True)
+            assert status == 200 and out["kvt"]["status"] == "fallback_reprefill", out
+            assert out["kvt"]["reason"].startswith("source server: "), out["kvt"]
+            assert out["choices"][0]["token_ids"] == own(kt, torch.tensor([text[:n]]))[1], "the target's own prefill"
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        stack.wait(90)
+        left = [name for name, pid in pids.items() if alive(pid)]
+        for name in left:
+            os.killpg(pids[name], signal.SIGKILL)
+    assert not left, f"SIGTERM to the stack left these servers running: {left}"
