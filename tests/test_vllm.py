@@ -248,7 +248,7 @@ def assert_own_prefill(case, p, out, what):
 
 @pytest.mark.slow
 def test_fallbacks_run_the_targets_own_prefill(case):
-    """A request whose KV file is missing, was saved by another model than the mapper's source, or by an
+    """A request whose KV file is missing or truncated, was saved by another model than the mapper's source, or by an
     engine of the source's config whose weights differ (every tensor moved by 1% noise), holds another
     prompt's tokens, or fails to load on the worker (KV of the wrong shape; a NaN in k.0; 1,024 values of
     v.1 at 1e30) runs the target's own prefill and says why in kv_transfer_params: status
@@ -271,7 +271,10 @@ def test_fallbacks_run_the_targets_own_prefill(case):
     huge = src_cache._map(lambda t: t.clone(), time_fn=lambda t: t)
     huge.values[1].view(-1)[:1024] = 1e30
     save_kv(tmp / "huge.kv", huge, p1, src_fp, tok.fingerprint(), src_w)
+    data = (tmp / "p1.kv").read_bytes()
+    (tmp / "truncated.kv").write_bytes(data[:len(data) // 2])   # cut off between the save and the load
     cases = [(p1, tmp / "missing.kv", "not a readable KV file"),
+             (p1, tmp / "truncated.kv", "is not a readable KV file"),
              (p1, tmp / "other-model.kv", "saved by another model"),
              (p1, tmp / "other-weights.kv", "saved by an engine whose weights"),
              (q1, tmp / "p1.kv", "other tokens than this prompt's"),
@@ -365,15 +368,40 @@ def test_a_target_with_other_weights_falls_back(case):
 
 
 @pytest.mark.slow
-def test_a_target_with_a_prefix_cache_or_another_layout_is_refused(case):
-    """A target engine with prefix caching on would commit the mapped blocks under the prompt's exact block
-    hashes and serve them as exact KV to a later request; one in bf16 keeps its KV in a layout (AMX kernels
-    on this CPU) the connector does not read. Either refuses to start, saying what to do."""
-    tmp, m = case["tmp"], str(case["tmp"] / "m.safetensors")
-    for args, want in ((["--prefix-caching"], "start it with enable_prefix_caching=False"),
-                       (["--dtype", "bfloat16", "--block-size", "16"], "not 'vec16'")):
-        message = engine(case["py"], "start", ROOT / "weights" / "toy-m", [], tmp, "--mapper", m, *args)
-        assert want in message, message
+def test_a_target_with_an_unknown_layout_is_refused(case):
+    """A target engine whose KV layout the connector does not know (bf16 at block size 16: vLLM's "vec16"
+    kernels, on any x86 CPU) refuses to start in one line: guards writing mapped KV in a guessed layout."""
+    message = engine(case["py"], "start", ROOT / "weights" / "toy-m", [], case["tmp"], "--mapper",
+                     str(case["tmp"] / "m.safetensors"), "--dtype", "bfloat16", "--block-size", "16")
+    assert "not 'vec16'" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["another pair's mapper", "a prefix cache"])
+def test_a_target_that_cannot_map_still_serves(case, fault):
+    """A target engine given a mapper made for another pair (toy-s -> toy-l), or started with prefix caching
+    on (it would commit mapped blocks under the prompt's exact hashes and serve them as exact to the next
+    request with that prompt), starts and serves: each load, the same prompt sent twice included, runs the
+    target's own prefill and says why; a request without a load is answered as usual. Guards an engine
+    that crashes or refuses every request for one bad setting, and mapped KV served as exact."""
+    from kvt.harness.bench import random_mapper
+    tmp, p = case["tmp"], case["prompts"][1]
+    if fault == "another pair's mapper":
+        m = random_mapper(case["ks"].config, kvt.load_model(ROOT / "weights" / "toy-l").config, "head")
+        for part in (m.layers, m.W, m.b):                          # K's and V's are one tensor; a file holds two
+            part.update({kind: t.clone() for kind, t in part.items()})
+        save_mapper(m, tmp / "toy-l-mapper.safetensors")
+        args, why = ["--mapper", str(tmp / "toy-l-mapper.safetensors")], "was fitted for another target model"
+    else:
+        args, why = ["--mapper", str(tmp / "m.safetensors"), "--prefix-caching"], "the target engine caches prefixes"
+    outs = engine(case["py"], "target", ROOT / "weights" / "toy-m",
+                  [{"ids": p, "load": str(tmp / "p1.kv")}] * 2 + [{"ids": p, "load": None}], tmp,
+                  "--max-tokens", str(NEW), *args)
+    for out in outs[:2]:
+        verdict = out["kv_transfer_params"]["kvt"]
+        assert verdict["status"] == "fallback_reprefill" and why in verdict["reason"], verdict
+    for out in outs:
+        assert_own_prefill(case, p, out, fault)
 
 
 @pytest.mark.slow

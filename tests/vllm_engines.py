@@ -115,7 +115,7 @@ def main():
     p.add_argument("--gate", nargs="*", default=[], help="diagnose.gate thresholds, name=value")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--prefix-caching", action="store_true", help="start: with vLLM's prefix cache on")
+    p.add_argument("--prefix-caching", action="store_true", help="start, target: with vLLM's prefix cache on")
     p.add_argument("--dtype", default="float32", help="the engine's dtype")
     p.add_argument("--block-size", type=int, help="start: the engine's KV block size")
     a = p.parse_args()
@@ -132,7 +132,8 @@ def main():
     elif a.what == "source":
         result = run(engine(a.model, role="kv_producer", dtype=a.dtype), requests, 1, "kv_producer")
     elif a.what == "target":
-        result = run(engine(a.model, a.mapper, gate=gate, dtype=a.dtype), requests, a.max_tokens, "kv_consumer")
+        result = run(engine(a.model, a.mapper, gate=gate, dtype=a.dtype, prefix_caching=a.prefix_caching), requests,
+                     a.max_tokens, "kv_consumer")
     else:
         result = ttft(engine(a.model, a.mapper, dtype=a.dtype), requests, a.repeats)
     with open(a.out + ".tmp", "w") as f:

@@ -309,7 +309,7 @@ def main(argv=None):
     t.add_argument("--mapper", required=True, type=Path, help="the mapper file (run.py writes runs/<s>_<t>/mapper-*)")
     t.add_argument("--vllm-python", help="a Python with vLLM (default: this one)")
     t.add_argument("--kv-dir", help="folder for the KV files and the servers' logs (default: a new temporary one)")
-    t.add_argument("--dtype", default="float32", help="the servers' dtype (kvt's connector reads float32)")
+    t.add_argument("--dtype", default="float32", help="the servers' dtype: float32 or bfloat16 (kvt's connector reads both)")
     t.add_argument("--max-model-len", type=int, default=2048)
     t.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for each server's /health")
     for p in (s, t):

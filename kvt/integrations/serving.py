@@ -18,7 +18,9 @@ kvt's take_over does.
 
 Approximate KV is never served as exact: the target engine must run with enable_prefix_caching=False
 (vLLM would otherwise commit the mapped blocks to its prefix cache under the prompt's exact block hashes,
-for any later request with that prefix); the connector refuses to start otherwise. A request falls back to
+for any later request with that prefix); otherwise every load falls back, as on an engine whose mapper is
+missing, unreadable or made for another pair (the engine still serves; the reason is logged once and sent
+with each request). A request falls back to
 the target's own prefill (status "fallback_reprefill", with the reason) when its KV file is missing or
 unreadable, was saved by another model than the mapper's source (config or weights fingerprint) or with
 another tokenizer, holds other tokens than its prompt, when this engine's weights are not the mapper's
@@ -197,13 +199,19 @@ class KvtConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.mapper, self.unfit, self.mapper_id = None, None, None
         self.plain = plain_requested() or bool(extra.get("plain"))                  # the map's plain path (Mapper.apply)
-        if extra.get("mapper"):
+        self.target = bool(extra.get("mapper"))                             # an engine that maps (kv_consumer)
+        if self.target:                  # what would make any map wrong: every load falls back, saying why
+            try:
+                self.mapper = load_mapper(extra["mapper"], tgt_cfg=self.cfg, tokenizer=self.tokenizer)
+                self.mapper_id = file_id(extra["mapper"])
+                self.unfit = self.unfit_because(self.mapper.meta, extra.get("gate", {}))
+            except KvtError as e:        # missing, corrupt, or made for another pair
+                self.unfit = str(e)
             if vllm_config.cache_config.enable_prefix_caching:
-                raise KvtError("the target engine caches prefixes: mapped (approximate) KV would be served as exact "
-                               "to later requests with the same prompt; start it with enable_prefix_caching=False")
-            self.mapper = load_mapper(extra["mapper"], tgt_cfg=self.cfg, tokenizer=self.tokenizer)
-            self.mapper_id = file_id(extra["mapper"])
-            self.unfit = self.unfit_because(self.mapper.meta, extra.get("gate", {}))
+                self.unfit = ("the target engine caches prefixes: mapped (approximate) KV would be served as exact "
+                              "to later requests with the same prompt; restart it with enable_prefix_caching=False")
+            if self.unfit:
+                log.warning("kvt: every load on this engine falls back to its own prefill: %s", self.unfit)
         self.verdicts = {}      # scheduler: req_id -> {"status": "applied" | "fallback_reprefill" | ..., ...}
         self.blocks = {}        # scheduler: req_id -> its blocks, while a load is in flight
         self.pending = {}       # scheduler: req_id -> Load, until build_connector_meta sends it
@@ -232,7 +240,7 @@ class KvtConnector(KVConnectorBase_V1):
         return {"status": "applied", "mapper": self.mapper_id, "slots": n}
 
     def fallback(self, why):
-        return {"status": "fallback_reprefill", "reason": why, **({"mapper": self.mapper_id} if self.mapper else {})}
+        return {"status": "fallback_reprefill", "reason": why, **({"mapper": self.mapper_id} if self.mapper_id else {})}
 
     # ---- scheduler side ----
 
@@ -268,7 +276,7 @@ class KvtConnector(KVConnectorBase_V1):
         path = (request.kv_transfer_params or {}).get("kvt_load")
         if not path:
             return 0, False
-        if self.mapper is None:
+        if not self.target:
             self.verdicts[request.request_id] = {"status": "unsupported",
                                                  "reason": "this engine has no mapper (connector_config(mapper=...))"}
             return 0, False
