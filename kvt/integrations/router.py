@@ -210,12 +210,14 @@ def connector_configs(py, mapper):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def start_vllm(py, model, port, config, log, a, *extra):
-    """vLLM's OpenAI API server for model on 127.0.0.1:port, in a process group of its own (stopped whole)."""
+def start_vllm(py, model, port, config, log, a, cpus=None, *extra):
+    """vLLM's OpenAI API server for model on 127.0.0.1:port, in a process group of its own (stopped whole);
+    cpus: the cores its engine's threads are bound to (VLLM_CPU_OMP_THREADS_BIND), None: vLLM's choice."""
     argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", a.dtype, "--enforce-eager", "--max-model-len", str(a.max_model_len),
             "--seed", "0", "--kv-transfer-config", json.dumps(config), *extra]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           **({"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {})}
     return subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -276,10 +278,11 @@ def stack(a):
     signal.signal(signal.SIGTERM, interrupted)     # SIGTERM stops the children as Ctrl-C does
     servers, procs = {}, []
     try:
-        for name, model, config, extra in (("source", a.source, src_config, ()),
-                                           ("target", a.target, tgt_config, ("--no-enable-prefix-caching",))):
+        for name, model, config, cpus, extra in (
+                ("source", a.source, src_config, a.source_cpus, ()),
+                ("target", a.target, tgt_config, a.target_cpus, ("--no-enable-prefix-caching",))):
             port, log = free_port(), work / f"{name}.log"
-            procs.append(start_vllm(py, model, port, config, log, a, *extra))
+            procs.append(start_vllm(py, model, port, config, log, a, cpus, *extra))
             servers[name] = (f"http://127.0.0.1:{port}", procs[-1], log, model)
         for name, (url, proc, log, _) in servers.items():
             wait_healthy(name, proc, url, log, a.start_timeout)
@@ -312,6 +315,10 @@ def main(argv=None):
     t.add_argument("--dtype", default="float32", help="the servers' dtype: float32 or bfloat16 (kvt's connector reads both)")
     t.add_argument("--max-model-len", type=int, default=2048)
     t.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for each server's /health")
+    for side in ("source", "target"):
+        t.add_argument(f"--{side}-cpus", help=f"the cores the {side} server's engine runs on, e.g. 0 or 0-7 "
+                       "(VLLM_CPU_OMP_THREADS_BIND; default vLLM's: every core). On one machine give each server "
+                       "its own: two engines whose threads share cores wait on each other")
     for p in (s, t):
         p.add_argument("--escalate-at", type=int, default=0, help="escalate prompts of this many tokens or more "
                                                                   "(0: only when the body says escalate)")
