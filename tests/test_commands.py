@@ -201,6 +201,9 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"python -m kvt\.integrations\.router serve .*",
      NotRun("routes until stopped, for two vLLM servers already running; tests/test_router.py routes through "
             "the same server against fake ones")),
+    (r"python -m tests\.bench_router .*",
+     NotRun("starts the vLLM stack for minutes (KVT_VLLM_PYTHON); tests/test_router.py::"
+            "test_the_stack_on_the_toy_pair starts the same stack and sends the same escalated requests")),
     (r"python -m tests\.bench_serving .*",
      NotRun("needs that vLLM environment (KVT_VLLM_PYTHON); tests/test_vllm.py::"
             "test_target_engine_equals_kvt_handoff runs the same engines through the connector")),

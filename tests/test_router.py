@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -259,7 +260,7 @@ def test_the_router_imports_neither_vllm_nor_the_connector():
 def test_the_stack_on_the_toy_pair(tmp_path):
     """The documented stack (run.py's mapper, then `python -m kvt.integrations.router stack`) in the vLLM Python:
     an escalated request of 150 token ids is applied with T - 1 slots and its greedy tokens and first-step
-    logprobs equal kvt's handoff + generate on the same mapper, a plain one the source's own; 8 clients x 6
+    logprobs equal kvt's handoff + generate on the same mapper, a plain one the source's own; 8 clients x 25
     mixed requests are all answered; with the source server killed, escalated requests are still answered
     by the target's own prefill, saying the source failed; SIGTERM stops every server process.
     Guards the router's HTTP bodies against the real server (kv_transfer_params in and out, the verdict's
@@ -284,7 +285,8 @@ def test_the_stack_on_the_toy_pair(tmp_path):
     stack = subprocess.Popen([sys.executable, "-m", "kvt.integrations.router", "stack", "--source", "weights/toy-s",
                               "--target", "weights/toy-m", "--mapper", str(mapper_file),
                               "--vllm-python", vllm_python(tmp_path), "--kv-dir", str(kv_dir),
-                              "--port", str(free_port()), "--start-timeout", "240"],
+                              "--port", str(free_port()), "--start-timeout", "240", "--source-cpus", "0",
+                              "--target-cpus", str(os.cpu_count() - 1)],
                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=err,
                              text=True)
     urls, pids = {}, {}
@@ -320,19 +322,23 @@ def test_the_stack_on_the_toy_pair(tmp_path):
         err_lp = max(abs(lp - own_lp[t].item()) for t, lp in first_logprobs(out).items())
         assert err_lp <= ATOL and out["choices"][0]["token_ids"] == tokens, f"the source's own: {err_lp:.2e}"
 
-        answers = {}                                 # 8 clients x 6 requests, every other one escalated
+        answers = {}                                 # 8 clients x 25 requests, every other one escalated
 
         def client(c):
-            for j in range(6):
-                n = 20 + 23 * (6 * c + j) % 200
+            for j in range(25):
+                n = 20 + 23 * (25 * c + j) % 200
                 answers[c, j] = (j + c) % 2 == 0, request(text[:n], (j + c) % 2 == 0, max_tokens=4)
 
         threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+        t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join(300)
-        assert len(answers) == 48, f"{48 - len(answers)} requests unanswered"
+        tally = Counter(out["kvt"]["status"] for _, (_, out) in answers.values())
+        print(f"\nload: {len(answers)} of 200 requests answered in {time.perf_counter() - t0:.1f} s, by status: "
+              f"{dict(tally)}")
+        assert len(answers) == 200, f"{200 - len(answers)} requests unanswered"
         for (c, j), (escalated, (status, out)) in answers.items():
             assert status == 200, (c, j, out)
             if not escalated:
