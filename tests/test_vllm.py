@@ -117,7 +117,9 @@ def test_check_range_refuses_non_finite_and_huge_kv(toy_fit):
 
 
 def vllm_python(root):
-    """A Python that imports vllm: KVT_VLLM_PYTHON, this one, or a virtual environment built under root."""
+    """A Python that imports vllm: KVT_VLLM_PYTHON, this one, or a virtual environment built under root, once
+    a session: it is then KVT_VLLM_PYTHON for the session's later tests (test_vllm's and test_router's; this
+    module is imported twice, as test_vllm and tests.test_vllm, so a module-level cache would build twice)."""
     if os.environ.get("KVT_VLLM_PYTHON"):
         return os.environ["KVT_VLLM_PYTHON"]
     if importlib.util.find_spec("vllm"):
@@ -129,6 +131,7 @@ def vllm_python(root):
                  ["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]):  # CUDA builds: they
         r = subprocess.run([py, "-m", "pip", *args], capture_output=True, text=True)  # break transformers
         assert r.returncode == 0, r.stderr[-2000:]
+    os.environ["KVT_VLLM_PYTHON"] = py
     return py
 
 
