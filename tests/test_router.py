@@ -2,10 +2,10 @@
 
 By default the servers are fakes on loopback (standard-library HTTP servers in threads) that record what
 they receive and answer as vLLM's OpenAI server with kvt's connector does: the rule, the two flows, the
-verdict passed on, the fallbacks and the KV file's lifetime run in a second, without vLLM. The slow test
-starts the real stack on the toy pair (`python -m kvt.integrations.router stack`, two vLLM servers in the
-vLLM Python of tests/test_vllm.py) and checks its tokens against kvt's own handoff, under load and with
-the source server killed (85 s on 2 shared cores once vLLM is installed).
+verdict passed on, the fallbacks and the KV file's lifetime run in a second, without vLLM. The slow tests
+start the real stack on the toy pair (`python -m kvt.integrations.router stack`, two vLLM servers in the
+vLLM Python of tests/test_vllm.py) and check its tokens against kvt's own handoff, in float32 under load
+and with the source server killed, and in bf16.
 """
 import json
 import os
@@ -256,6 +256,62 @@ def test_the_router_imports_neither_vllm_nor_the_connector():
 
 # ---- the real stack: two vLLM servers and the router, on the toy pair (slow) --------------------------
 
+def toy_mapper(tmp_path):
+    """The mapper file of the documented command (run.py without tasks or bench, on the toy pair)."""
+    from tests.conftest import ROOT
+    r = subprocess.run([sys.executable, "run.py", "--tasks", "none", "--no-bench", "--out", str(tmp_path / "run")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (mapper_file,) = (tmp_path / "run").glob("mapper-*.safetensors")
+    return mapper_file
+
+
+def start_stack(tmp_path, mapper_file, *args):
+    """`python -m kvt.integrations.router stack` on the toy pair in the vLLM Python, each server on a core of its
+    own: (the stack's process, {name: url}, {name: pid}) once it printed the router's line."""
+    from tests.conftest import ROOT
+    from tests.test_vllm import vllm_python
+    err = open(tmp_path / "stack.err", "w")
+    stack = subprocess.Popen([sys.executable, "-m", "kvt.integrations.router", "stack", "--source", "weights/toy-s",
+                              "--target", "weights/toy-m", "--mapper", str(mapper_file),
+                              "--vllm-python", vllm_python(tmp_path), "--kv-dir", str(tmp_path / "kv"),
+                              "--port", str(free_port()), "--start-timeout", "240", "--source-cpus", "0",
+                              "--target-cpus", str(os.cpu_count() - 1), *args],
+                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=err,
+                             text=True)
+    urls, pids = {}, {}
+    for line in stack.stdout:                       # "<name>  <url>  ... (pid N, log ...)", the router last
+        name, urls[name] = line.split()[:2]
+        pids.update({name: int(m.group(1)) for m in [re.search(r"\(pid (\d+)", line)] if m})
+        if name == "router":
+            break
+    if "router" not in urls:
+        stop_stack(stack, pids)
+    assert "router" in urls, (tmp_path / "stack.err").read_text()[-3000:]
+    return stack, urls, pids
+
+
+def stop_stack(stack, pids):
+    """SIGTERM to the stack; the names of the servers it left running (then killed)."""
+    stack.send_signal(signal.SIGTERM)
+    stack.wait(90)
+    left = [name for name, pid in pids.items() if alive(pid)]
+    for name in left:
+        os.killpg(pids[name], signal.SIGKILL)
+    return left
+
+
+def escalated(url, ids, escalate, max_tokens):
+    """A greedy completion through the router, with token ids and the first steps' top-5 logprobs."""
+    return ask(url, {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5, "ignore_eos": True,
+                     "return_token_ids": True, "return_tokens_as_token_ids": True, "escalate": escalate})
+
+
+def first_logprobs(out):
+    """{"token_id:123": logprob} of the first step -> {123: logprob}."""
+    return {int(t.split(":")[1]): lp for t, lp in out["choices"][0]["logprobs"]["top_logprobs"][0].items()}
+
+
 @pytest.mark.slow
 def test_the_stack_on_the_toy_pair(tmp_path):
     """The documented stack (run.py's mapper, then `python -m kvt.integrations.router stack`) in the vLLM Python:
@@ -272,39 +328,17 @@ def test_the_stack_on_the_toy_pair(tmp_path):
     from kvt.harness import toy
     from kvt.harness.files import load_mapper
     from tests.conftest import ROOT
-    from tests.test_vllm import ATOL, NEW, own, vllm_python
+    from tests.test_vllm import ATOL, NEW, own
 
-    r = subprocess.run([sys.executable, "run.py", "--tasks", "none", "--no-bench", "--out", str(tmp_path / "run")],
-                       cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (mapper_file,) = (tmp_path / "run").glob("mapper-*.safetensors")
+    mapper_file = toy_mapper(tmp_path)
     ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
     mapper, tok = load_mapper(mapper_file), kvt.load_tokenizer(ROOT / "weights" / "toy-m")
     text = tok.encode(" ".join(toy.corpus(40, seed=5)))
-    kv_dir, err = tmp_path / "kv", open(tmp_path / "stack.err", "w")
-    stack = subprocess.Popen([sys.executable, "-m", "kvt.integrations.router", "stack", "--source", "weights/toy-s",
-                              "--target", "weights/toy-m", "--mapper", str(mapper_file),
-                              "--vllm-python", vllm_python(tmp_path), "--kv-dir", str(kv_dir),
-                              "--port", str(free_port()), "--start-timeout", "240", "--source-cpus", "0",
-                              "--target-cpus", str(os.cpu_count() - 1)],
-                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=err,
-                             text=True)
-    urls, pids = {}, {}
+    kv_dir = tmp_path / "kv"
+    stack, urls, pids = start_stack(tmp_path, mapper_file)
     try:
-        for line in stack.stdout:                   # "<name>  <url>  ... (pid N, log ...)", the router last
-            name, urls[name] = line.split()[:2]
-            pids.update({name: int(m.group(1)) for m in [re.search(r"\(pid (\d+)", line)] if m})
-            if name == "router":
-                break
-        assert "router" in urls, (tmp_path / "stack.err").read_text()[-3000:]
-
         def request(ids, escalate, max_tokens=NEW):
-            return ask(urls["router"], {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5,
-                                        "ignore_eos": True, "return_token_ids": True,
-                                        "return_tokens_as_token_ids": True, "escalate": escalate})
-
-        def first_logprobs(out):   # {"token_id:123": logprob} -> {123: logprob}
-            return {int(t.split(":")[1]): lp for t, lp in out["choices"][0]["logprobs"]["top_logprobs"][0].items()}
+            return escalated(urls["router"], ids, escalate, max_tokens)
 
         p = text[:150]
         ids = torch.tensor([p])
@@ -357,9 +391,31 @@ def test_the_stack_on_the_toy_pair(tmp_path):
             assert out["kvt"]["reason"].startswith("source server: "), out["kvt"]
             assert out["choices"][0]["token_ids"] == own(kt, torch.tensor([text[:n]]))[1], "the target's own prefill"
     finally:
-        stack.send_signal(signal.SIGTERM)
-        stack.wait(90)
-        left = [name for name, pid in pids.items() if alive(pid)]
-        for name in left:
-            os.killpg(pids[name], signal.SIGKILL)
+        left = stop_stack(stack, pids)
     assert not left, f"SIGTERM to the stack left these servers running: {left}"
+
+
+@pytest.mark.slow
+def test_the_stack_in_bf16(tmp_path):
+    """The same stack with both servers in bf16 (vLLM's "amx" KV layout on a CPU with AMX tiles, "vec"
+    without): an escalated request of 150 token ids through HTTP is applied, and its first-step logprobs and
+    greedy tokens lie within bf16's own rounding of kvt's bf16 handoff (test_vllm.assert_like_kvt_bf16).
+    Guards the bf16 path as deployed: the stack's --dtype reaching both servers, and their KV read and
+    written in the layout vLLM's bf16 kernels use."""
+    import kvt
+    from kvt.harness import toy
+    from kvt.harness.files import load_mapper
+    from tests.conftest import ROOT
+    from tests.test_vllm import NEW, assert_like_kvt_bf16
+
+    mapper_file = toy_mapper(tmp_path)
+    mapper, tok = load_mapper(mapper_file), kvt.load_tokenizer(ROOT / "weights" / "toy-m")
+    p = tok.encode(" ".join(toy.corpus(40, seed=5)))[:150]
+    stack, urls, pids = start_stack(tmp_path, mapper_file, "--dtype", "bfloat16")
+    try:
+        status, out = escalated(urls["router"], p, True, NEW)
+    finally:
+        left = stop_stack(stack, pids)
+    assert not left, f"SIGTERM to the stack left these servers running: {left}"
+    assert status == 200 and out["kvt"]["status"] == "applied" and out["kvt"]["slots"] == len(p) - 1, out["kvt"]
+    assert_like_kvt_bf16(mapper, p, first_logprobs(out), out["choices"][0]["token_ids"], "through the router")

@@ -323,38 +323,45 @@ def test_kvt_reads_and_writes_vllms_cpu_layouts(case):
     assert {r["layout"] for r in got} == want and len(got) == 3 * (len(want) + 1), got
 
 
+def assert_like_kvt_bf16(mapper, p, logprobs, tokens, what):
+    """vLLM's bf16 answer to an escalated prompt p of toy-s -> toy-m against kvt's handoff with bf16 models
+    (the mapper in float32, as the connector loads it): logprobs {token: first-step logprob}, tokens its
+    greedy tokens. The tolerance is bf16's own rounding on the same prompt: `noise`, how far kvt's bf16
+    first-step logprobs lie from its float32 ones (3e-2 to 1.2 on the toys' prompts: their logits are
+    sharp). The first-step logprobs must lie within 2 x noise of kvt's bf16 ones, and each greedy token must
+    be kvt's best, or within 2 x noise of it, on kvt's logits along those tokens (two bf16 decoders part at
+    near-ties: kvt's own step-by-step decode and its forward over the same tokens pick differently at one
+    such step on the toys)."""
+    ks32, kt32 = (kvt.load_model(ROOT / "weights" / name) for name in ("toy-s", "toy-m"))
+    ks, kt = (kvt.load_model(ROOT / "weights" / name, dtype=torch.bfloat16) for name in ("toy-s", "toy-m"))
+    logits, cache = handoff(ks, kt, mapper, torch.tensor([p]))
+    want = logits[0, -1].float().log_softmax(-1)
+    f32 = handoff(ks32, kt32, mapper, torch.tensor([p]))[0][0, -1].log_softmax(-1)
+    err = max(abs(lp - want[t].item()) for t, lp in logprobs.items())
+    noise = max(abs(f32[t].item() - want[t].item()) for t in logprobs)
+    forced, _ = kt(torch.tensor([tokens[:-1]]), cache=cache)                     # kvt's logits on vLLM's path
+    steps = torch.cat([logits[:, -1:], forced], 1)[0].float().log_softmax(-1)      # (new tokens, V)
+    gaps = [(steps[i].max() - steps[i, t]).item() for i, t in enumerate(tokens)]
+    print(f"{what}: vLLM bf16 vs kvt bf16 {err:.3e}, kvt bf16 vs float32 {noise:.3e}, largest gap {max(gaps):.3e}")
+    assert err <= 2 * noise, f"{what}: logprobs {err:.2e} from kvt's bf16 handoff, bf16's noise {noise:.2e}"
+    assert max(gaps) <= 2 * noise, f"{what}: vLLM's tokens {tokens} part from kvt's path: {gaps}"
+
+
 @pytest.mark.slow
 def test_bf16_engines_equal_kvt_handoff_in_bf16(case):
-    """Both engines in bf16 (on this CPU's layout: "amx" with AMX tiles, "vec" without) against kvt's handoff
-    with bf16 models (the mapper in float32, as the connector loads it). The tolerance is bf16's own
-    rounding on the same prompt: `noise`, how far kvt's bf16 first-step logprobs lie from its float32 ones
-    (3e-2 to 1.2 on these prompts: the toys' logits are sharp). vLLM's first-step logprobs must lie within
-    2 x noise of kvt's bf16 ones, and each greedy token vLLM returns must be kvt's best, or within 2 x noise
-    of it, on kvt's logits along vLLM's tokens (two bf16 decoders part at near-ties: kvt's own step-by-step
-    decode and its forward over the same tokens pick differently at one such step here). Guards a bf16 KV
-    written in the float32 layout or read as float32 bytes."""
+    """Both engines in bf16 (on this CPU's layout: "amx" with AMX tiles, "vec" without) within bf16's own
+    rounding of kvt's bf16 handoff (assert_like_kvt_bf16). Guards a bf16 KV written in the float32 layout
+    or read as float32 bytes (with the "vec" layout forced on this AMX CPU: 11.6 apart, noise 6e-2)."""
     tmp, prompts = case["tmp"], case["prompts"]
     engine(case["py"], "source", ROOT / "weights" / "toy-s",
            [{"ids": p, "save": str(tmp / f"b{i}.kv")} for i, p in enumerate(prompts)], tmp, "--dtype", "bfloat16")
     outs = engine(case["py"], "target", ROOT / "weights" / "toy-m",
                   [{"ids": p, "load": str(tmp / f"b{i}.kv")} for i, p in enumerate(prompts)], tmp,
                   "--mapper", str(tmp / "m.safetensors"), "--max-tokens", str(NEW), "--dtype", "bfloat16")
-    ks, kt = (kvt.load_model(ROOT / "weights" / name, dtype=torch.bfloat16) for name in ("toy-s", "toy-m"))
     for p, out in zip(prompts, outs):
         assert out["kv_transfer_params"]["kvt"]["status"] == "applied", out["kv_transfer_params"]
-        logits, cache = handoff(ks, kt, case["mapper"], torch.tensor([p]))
-        f32 = handoff(case["ks"], case["kt"], case["mapper"], torch.tensor([p]))[0][0, -1].log_softmax(-1)
-        want = logits[0, -1].float().log_softmax(-1)
-        top = [int(t) for t in out["logprobs"]]
-        err = max(abs(out["logprobs"][str(t)] - want[t].item()) for t in top)
-        noise = max(abs(f32[t].item() - want[t].item()) for t in top)
-        forced, _ = kt(torch.tensor([out["tokens"][:-1]]), cache=cache)          # kvt's logits on vLLM's path
-        steps = torch.cat([logits[:, -1:], forced], 1)[0].float().log_softmax(-1)  # (NEW, V)
-        gaps = [(steps[i].max() - steps[i, t]).item() for i, t in enumerate(out["tokens"])]
-        print(f"{len(p)} tokens: vLLM bf16 vs kvt bf16 {err:.3e}, kvt bf16 vs float32 {noise:.3e}, "
-              f"largest gap of vLLM's tokens {max(gaps):.3e}")
-        assert err <= 2 * noise, f"{len(p)} tokens: logprobs {err:.2e} from kvt's bf16 handoff, bf16's noise {noise:.2e}"
-        assert max(gaps) <= 2 * noise, f"{len(p)} tokens: vLLM's tokens {out['tokens']} part from kvt's path: {gaps}"
+        assert_like_kvt_bf16(case["mapper"], p, {int(t): lp for t, lp in out["logprobs"].items()}, out["tokens"],
+                             f"{len(p)} tokens")
 
 
 @pytest.mark.slow
