@@ -301,7 +301,7 @@ def stop_stack(stack, pids):
     return left
 
 
-def escalated(url, ids, escalate, max_tokens):
+def through_router(url, ids, escalate, max_tokens):
     """A greedy completion through the router, with token ids and the first steps' top-5 logprobs."""
     return ask(url, {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5, "ignore_eos": True,
                      "return_token_ids": True, "return_tokens_as_token_ids": True, "escalate": escalate})
@@ -338,7 +338,7 @@ def test_the_stack_on_the_toy_pair(tmp_path):
     stack, urls, pids = start_stack(tmp_path, mapper_file)
     try:
         def request(ids, escalate, max_tokens=NEW):
-            return escalated(urls["router"], ids, escalate, max_tokens)
+            return through_router(urls["router"], ids, escalate, max_tokens)
 
         p = text[:150]
         ids = torch.tensor([p])
@@ -413,7 +413,7 @@ def test_the_stack_in_bf16(tmp_path):
     p = tok.encode(" ".join(toy.corpus(40, seed=5)))[:150]
     stack, urls, pids = start_stack(tmp_path, mapper_file, "--dtype", "bfloat16")
     try:
-        status, out = escalated(urls["router"], p, True, NEW)
+        status, out = through_router(urls["router"], p, True, NEW)
     finally:
         left = stop_stack(stack, pids)
     assert not left, f"SIGTERM to the stack left these servers running: {left}"

@@ -326,12 +326,15 @@ def test_kvt_reads_and_writes_vllms_cpu_layouts(case):
 def assert_like_kvt_bf16(mapper, p, logprobs, tokens, what):
     """vLLM's bf16 answer to an escalated prompt p of toy-s -> toy-m against kvt's handoff with bf16 models
     (the mapper in float32, as the connector loads it): logprobs {token: first-step logprob}, tokens its
-    greedy tokens. The tolerance is bf16's own rounding on the same prompt: `noise`, how far kvt's bf16
+    greedy tokens. The tolerance is bf16's own error on the same prompt. `noise`: how far kvt's bf16
     first-step logprobs lie from its float32 ones (3e-2 to 1.2 on the toys' prompts: their logits are
-    sharp). The first-step logprobs must lie within 2 x noise of kvt's bf16 ones, and each greedy token must
-    be kvt's best, or within 2 x noise of it, on kvt's logits along those tokens (two bf16 decoders part at
-    near-ties: kvt's own step-by-step decode and its forward over the same tokens pick differently at one
-    such step on the toys)."""
+    sharp); vLLM's kernels round elsewhere (its bf16 source engine's KV, its attention), and lay up to 3x that
+    from kvt's bf16 (measured: 0.26-1.03x through the engines, 3.0x, 0.19 against 0.062, once through the
+    router): 4 x noise. Plus each side's logits are rounded to bf16: up to one bf16 step (ULP) at the
+    largest logit each, 0.0625-0.125 here. Each greedy token must be kvt's best, or within the same
+    tolerance of it, on kvt's logits along vLLM's tokens (two bf16 decoders part at near-ties: kvt's own
+    step-by-step decode and its forward over the same tokens pick differently at one such step on the
+    toys). A bf16 KV in the wrong layout is 11.6 apart."""
     ks32, kt32 = (kvt.load_model(ROOT / "weights" / name) for name in ("toy-s", "toy-m"))
     ks, kt = (kvt.load_model(ROOT / "weights" / name, dtype=torch.bfloat16) for name in ("toy-s", "toy-m"))
     logits, cache = handoff(ks, kt, mapper, torch.tensor([p]))
@@ -339,12 +342,16 @@ def assert_like_kvt_bf16(mapper, p, logprobs, tokens, what):
     f32 = handoff(ks32, kt32, mapper, torch.tensor([p]))[0][0, -1].log_softmax(-1)
     err = max(abs(lp - want[t].item()) for t, lp in logprobs.items())
     noise = max(abs(f32[t].item() - want[t].item()) for t in logprobs)
+    top = logits[0, -1].float().abs().max()
+    ulp = torch.finfo(torch.bfloat16).eps * 2 ** torch.floor(torch.log2(top)).item()      # bf16's step there
+    tol = 4 * noise + 2 * ulp
     forced, _ = kt(torch.tensor([tokens[:-1]]), cache=cache)                     # kvt's logits on vLLM's path
     steps = torch.cat([logits[:, -1:], forced], 1)[0].float().log_softmax(-1)      # (new tokens, V)
     gaps = [(steps[i].max() - steps[i, t]).item() for i, t in enumerate(tokens)]
-    print(f"{what}: vLLM bf16 vs kvt bf16 {err:.3e}, kvt bf16 vs float32 {noise:.3e}, largest gap {max(gaps):.3e}")
-    assert err <= 2 * noise, f"{what}: logprobs {err:.2e} from kvt's bf16 handoff, bf16's noise {noise:.2e}"
-    assert max(gaps) <= 2 * noise, f"{what}: vLLM's tokens {tokens} part from kvt's path: {gaps}"
+    print(f"{what}: vLLM bf16 vs kvt bf16 {err:.3e}, kvt bf16 vs float32 {noise:.3e}, largest gap {max(gaps):.3e}, "
+          f"tolerance {tol:.3e}")
+    assert err <= tol, f"{what}: logprobs {err:.2e} from kvt's bf16 handoff, over {tol:.2e} (noise {noise:.2e})"
+    assert max(gaps) <= tol, f"{what}: vLLM's tokens {tokens} part from kvt's path: {gaps}, over {tol:.2e}"
 
 
 @pytest.mark.slow
