@@ -18,12 +18,12 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from kvt.config import KvtError
-from kvt.integrations.router import Router, free_port, make_server, stop, wait_healthy
+from kvt.integrations.router import Handler, Router, free_port, make_server, stop, wait_healthy
 
 
 class Fake:
@@ -33,22 +33,16 @@ class Fake:
         self.seen = []
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class FakeHandler(Handler):                 # the router's JSON replies (Handler.reply), other answers
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.seen.append((self.path, body))
-                status, out = answer(self.path, body)
-                data = json.dumps(out).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.reply(*answer(self.path, body))
 
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHandler)
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 

@@ -232,14 +232,6 @@ def noisy_copy(src, dst, scale=0.01, seed=0):
     return dst
 
 
-def noisy_fingerprint(model, scale=0.01):
-    """weights_fingerprint of a model's parameters moved by 1% noise (what a noisy copy's engine records)."""
-    from kvt.weights import weights_fingerprint
-    g = torch.Generator().manual_seed(0)
-    return weights_fingerprint({n: p + scale * p.std().nan_to_num() * torch.randn(p.shape, generator=g)
-                                for n, p in model.named_parameters()})
-
-
 def assert_own_prefill(case, p, out, what):
     """A fallback: the target engine's tokens and first-step logprobs are the target's own prefill."""
     ids = torch.tensor([p])
@@ -265,7 +257,8 @@ def test_fallbacks_run_the_targets_own_prefill(case):
     _, own_cache = kt(torch.tensor([p1]), last=True)
     save_kv(tmp / "other-model.kv", own_cache, p1, kt.config.fingerprint(), tok.fingerprint())
     _, src_cache = case["ks"](torch.tensor([p1]), last=True)
-    save_kv(tmp / "other-weights.kv", src_cache, p1, src_fp, tok.fingerprint(), noisy_fingerprint(case["ks"]))
+    noisy = folder_fingerprint(noisy_copy(ROOT / "weights" / "toy-s", tmp / "toy-s-noisy"))  # as its engine records
+    save_kv(tmp / "other-weights.kv", src_cache, p1, src_fp, tok.fingerprint(), noisy)
     half = src_cache._map(lambda t: t[..., :t.shape[-1] // 2].contiguous(), time_fn=lambda t: t)  # D/2: unmappable
     save_kv(tmp / "broken.kv", half, p1, src_fp, tok.fingerprint(), src_w)
     nan = src_cache._map(lambda t: t.clone(), time_fn=lambda t: t)

@@ -38,7 +38,6 @@ a CPU with AMX tiles). read_slots and write_slots index them; tests/test_vllm.py
 vLLM's own writer (cpu_attn_reshape_and_cache). The connector refuses any other layout in one line.
 vLLM is imported here only, and only when this file is.
 """
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +50,7 @@ from kvt.harness.calibration import check_range
 from kvt.harness.diagnose import gate
 from kvt.harness.files import kv_header, load_kv, load_mapper, save_kv
 from kvt.tokenizer import load_tokenizer
-from kvt.weights import comparable, folder_fingerprint
+from kvt.weights import comparable, file_sha256, folder_fingerprint
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -118,16 +117,6 @@ class KvtWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other):
         return KvtWorkerMetadata({**self.failed, **other.failed})
-
-
-def file_id(path):
-    """12 hex digits of the sha256 of a file's bytes: the mapper's id in every verdict."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()[:12]
-
 
 
 def vec_views(kv):
@@ -203,7 +192,7 @@ class KvtConnector(KVConnectorBase_V1):
         if self.target:                  # what would make any map wrong: every load falls back, saying why
             try:
                 self.mapper = load_mapper(extra["mapper"], tgt_cfg=self.cfg, tokenizer=self.tokenizer)
-                self.mapper_id = file_id(extra["mapper"])
+                self.mapper_id = file_sha256(extra["mapper"])[:12]   # the mapper's id in every verdict
                 self.unfit = self.unfit_because(self.mapper.meta, extra.get("gate", {}))
             except KvtError as e:        # missing, corrupt, or made for another pair
                 self.unfit = str(e)
