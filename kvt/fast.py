@@ -6,7 +6,8 @@ of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
 
     plain (what the tutorial teaches)          fast twin (here)
     cache.Cache.update (torch.cat)             Reserved.update: appended in place into owned free slots
-    cache.Cache.attend (torch's fused kernel)  Reserved.attend: one bf16/fp16 query on a CPU in float32 matmuls
+    cache.Cache.attend (torch's fused kernel)  Reserved.attend: one bf16/fp16 query, a CPU without AMX, in float32
+    nn.Linear's forward (F.linear)             one_row_linears: one bf16/fp16 row, a CPU with AMX, as torch.mv
     model.generate                             generate: one Reserved copy, then appends in place
     stats.add_batches (Sums.add_, float64)     add_batches: centered float32 products, upper part, Pending
     Mapper.apply / Mapper.map_layer            apply / map_layer: tiles, one GEMM with the bias, in place
@@ -22,7 +23,9 @@ for it. The entry points (run.py, kvt bench, the serving connector, lm_eval) set
 --plain (or KVT_PLAIN=1 in the environment, read by them alone).
 """
 import ctypes
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 
@@ -60,9 +63,9 @@ class Reserved(Cache):
         return self.keys[l], self.values[l]
 
     def attend(self, q, k, v, attn_mask, causal):
-        """Cache.attend, with one bf16 or fp16 query on a CPU (a decode step, the handoff's last token) in
-        one_query_attention, where torch's fused CPU kernel is slow for a single query."""
-        if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        """Cache.attend, with one bf16 or fp16 query on a CPU without AMX (a decode step, the handoff's
+        last token) in one_query_attention, where torch's fused CPU kernel is slow for a single query."""
+        if one_token_step(q) and not AMX:
             return one_query_attention(q, k, v, attn_mask)
         return super().attend(q, k, v, attn_mask, causal)
 
@@ -100,7 +103,42 @@ def keep_freed_memory():
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
 
 
-# ---- the model: one query's attention, and decoding ---------------------------------------------------
+# ---- the model: one token's step, and decoding ----------------------------------------------------------
+#
+# One token's step (a decode step, the handoff's last token) reads every weight and the whole cache
+# once, and which kernels read them fastest in bf16 depends on the CPU (docs/speed.md, issue #57). On
+# an AMD EPYC without AMX, one_query_attention beats torch's fused kernel and F.linear beats torch.mv;
+# on an Intel Xeon with AMX tiles both go the other way (torch.mv 1.2-1.6x as fast as F.linear for one
+# row, whose oneDNN kernel is slow there). AMX picks which: tests set it both ways.
+AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def one_token_step(x):
+    """True for the input of a one-token bf16/fp16 step on a CPU: one row (a query (B, H, 1, D), a
+    linear's (1, 1, C))."""
+    return x.shape[-2] == 1 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def one_row_linear(linear, x):
+    """linear(x); for a one-row bf16/fp16 x (1, 1, C) on a CPU with AMX, torch.mv (the same float32
+    accumulation, rounded once; kvt's models have no biases)."""
+    if AMX and linear.bias is None and x.numel() == x.shape[-1] and one_token_step(x):
+        return torch.mv(linear.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
+    return torch.nn.functional.linear(x, linear.weight, linear.bias)
+
+
+@contextmanager
+def one_row_linears(model):
+    """Inside it, every nn.Linear of model runs one_row_linear (its forward, for this model only)."""
+    mine = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and "forward" not in vars(m)]
+    for m in mine:
+        m.forward = partial(one_row_linear, m)
+    try:
+        yield model
+    finally:
+        for m in mine:
+            del m.forward
+
 
 def one_query_attention(q, k, v, attn_mask=None):
     """Attention of one query q (B, H, 1, D) over k, v (B, Hkv, S, D) in float32: the H / Hkv query heads
@@ -117,10 +155,11 @@ def one_query_attention(q, k, v, attn_mask=None):
 def generate(model, logits, cache, max_new_tokens, plain=False, **kw):
     """Greedy decoding, model.generate's (its keywords in kw): by default from one copy of the cache that
     owns room for every new token (reserve), each step appended in place and attended by
-    Reserved.attend; plain: model.generate itself, on `cache`."""
+    Reserved.attend, its linears in one_row_linears; plain: model.generate itself, on `cache`."""
     if plain:
         return model_.generate(model, logits, cache, max_new_tokens, **kw)
-    return model_.generate(model, logits, reserve(cache, max(0, max_new_tokens - 1)), max_new_tokens, **kw)
+    with one_row_linears(model):
+        return model_.generate(model, logits, reserve(cache, max(0, max_new_tokens - 1)), max_new_tokens, **kw)
 
 
 # ---- calibration statistics: centered float32 products, held between flushes --------------------------
@@ -270,6 +309,12 @@ def add_shifted_(sums, other, mx, my):
 # ---- the map: one GEMM per tile, rotated straight into the new cache ----------------------------------
 
 TILE = 256  # tokens per tile of the map on a CPU: its gathered features (G, TILE, k*Bx) fit an L3 cache
+AMX_TILE = 4096  # the same for bf16/fp16 features on a CPU with AMX: 6-14% faster there (docs/speed.md)
+
+
+def tile_tokens(dtype):
+    """Tokens per tile of the map on a CPU, for features of dtype."""
+    return AMX_TILE if AMX and dtype in (torch.bfloat16, torch.float16) else TILE
 
 
 def map_cache(mapper, src_cache, devices=None, dtype=None, room=0, plain=False):
@@ -334,7 +379,7 @@ def map_layer(mapper, kind, l, xs, out, cos_sin=None):
     G, N, Bx = x0.shape
     B, Hkv, T, D = out.shape
     W, b = mapper.W[kind][l].to(x0), mapper.b[kind][l].to(x0)[:, None]  # (G, k*Bx, By), (G, 1, By)
-    tile = TILE if out.device.type == "cpu" and W.shape[-1] < TILE else T  # each tile reads all of W again
+    tile = tile_tokens(x0.dtype) if out.device.type == "cpu" and W.shape[-1] < TILE else T  # each tile reads W again
     spans = ([(r, 1, t0, min(tile, T - t0)) for r in range(B) for t0 in range(0, T, tile)] if tile < T
              else [(0, B, 0, T)])                                       # (first row, rows, first slot, slots)
     for r, rows, t0, n in spans:

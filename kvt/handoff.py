@@ -18,6 +18,7 @@ plain=True runs the plain path (Mapper.apply, then Cache.update's concatenation 
 default the map is its fast twin, whose cache appends the last token in place (fast.map_cache). How
 good a mapper is, and whether to use it: kvt/harness/diagnose.py.
 """
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +98,11 @@ def take_over(target, mapper, src_cache, last_ids, last_mask=None, slots=None, s
     token ids slot_ids (B, n)) with the target when given, and run the last prompt token (B, 1) on it,
     appending its K and V after them. Returns (logits (B, 1, V), Cache of T slots). plain=True: the plain
     path (Mapper.apply, Cache.update and Cache.attend); by default the fast twins (fast.map_cache with
-    room for the last token: a fast.Reserved, which appends it in place and attends to it in float32)."""
+    room for the last token: a fast.Reserved, which appends it in place and attends to it; its linears in
+    fast.one_row_linears)."""
     dtype, device = _dtype_device(target)
     cache = fast.map_cache(mapper, src_cache, layer_devices(target), dtype, room=1, plain=plain)
     if slots is not None and len(slots):
         _, cache = target(slot_ids.to(device), cache=cache, slots=slots.to(device), last=True)
-    return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device))
+    with fast.one_row_linears(target) if not plain else nullcontext():
+        return target(last_ids.to(device), cache=cache, mask=None if last_mask is None else last_mask.to(device))

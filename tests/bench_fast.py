@@ -2,7 +2,7 @@
 then `--repeats`; medians, and the ratio per round): the figures behind tutorial section 11's list.
 
     python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs fast.apply (tiles)
-    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # fast.generate vs model.generate: in place vs torch.cat, one_query_attention, torch.mv
+    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # fast.generate vs model.generate, and the one-token step's kernels with and without AMX
     python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: fast.add_batches vs stats.add_batches
     python -m tests.bench_fast stream --shape qwen3-1.7b --tokens 2048               # copy vs read-only vs the one-token step, GB/s
     python -m tests.bench_fast step   --shape qwen3-1.7b --tokens 2048 --dtype bfloat16  # one token after 2K: Reserved vs plain Cache
@@ -50,14 +50,18 @@ def apply_fns(scope, n, dtype):
     kv = [torch.randn(1, s.n_kv_heads, n, s.head_dim, generator=g).to(dtype) for _ in range(s.n_layers)]
     cache = Cache(kv, kv, torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool), full=True)
 
-    def untiled():
-        tile, fast.TILE = fast.TILE, n      # one tile: the whole sequence
-        try:
-            fast.apply(m, cache, room=1)
-        finally:
-            fast.TILE = tile
-    return {"fast.apply": lambda: fast.apply(m, cache, room=1), "Mapper.apply (plain)": lambda: m.apply(cache),
-            "fast.apply in one tile": untiled}
+    def tiles_of(size):
+        def go():
+            tiles = fast.TILE, fast.AMX_TILE
+            fast.TILE = fast.AMX_TILE = size
+            try:
+                fast.apply(m, cache, room=1)
+            finally:
+                fast.TILE, fast.AMX_TILE = tiles
+        return go
+    return {f"fast.apply (tiles of {fast.tile_tokens(dtype)})": lambda: fast.apply(m, cache, room=1),
+            "Mapper.apply (plain)": lambda: m.apply(cache),
+            "fast.apply in one tile": tiles_of(n), "fast.apply in tiles of 256 (without AMX)": tiles_of(256)}
 
 
 def decode_fns(name, n, steps, dtype):
@@ -65,34 +69,34 @@ def decode_fns(name, n, steps, dtype):
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     logits, cache = model(ids, last=True)
 
-    def run(plain, mv=False, sdpa=False):
+    def run(plain, amx=None):
         def go():
-            linear, attend = torch.nn.Linear.forward, fast.Reserved.attend
-            if mv:  # one token through a weight as torch.mv (a trick kvt dropped: slower on a CPU with bf16 units)
-                torch.nn.Linear.forward = lambda self, x: (torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
-                                                           if x.numel() == x.shape[-1] else linear(self, x))
-            if sdpa:  # the Reserved cache attending as a plain Cache does (torch's fused kernel)
-                fast.Reserved.attend = Cache.attend
+            choice = fast.AMX
+            fast.AMX = choice if amx is None else amx   # the one-token step's kernels as on a CPU with(out) AMX
             try:
                 fast.generate(model, logits[:, -1], cache, steps, plain=plain)
             finally:
-                torch.nn.Linear.forward, fast.Reserved.attend = linear, attend
+                fast.AMX = choice
         return go
-    return {"fast.generate (Reserved, append_in_place, one_query_attention)": run(False),
-            "model.generate (plain: torch.cat, scaled_dot_product_attention)": run(True),
-            "fast.generate + torch.mv for one row": run(False, mv=True),
-            "fast.generate with scaled_dot_product_attention": run(False, sdpa=True)}
+    return {f"fast.generate (this CPU: AMX {fast.AMX})": run(False),
+            "model.generate (plain: torch.cat, F.linear, scaled_dot_product_attention)": run(True),
+            "fast.generate as without AMX (F.linear, one_query_attention)": run(False, amx=False),
+            "fast.generate as with AMX (torch.mv for one row, scaled_dot_product_attention)": run(False, amx=True)}
 
 
 def step_fns(name, n, dtype):
     """The one-token step after n - 1 cached slots (the transfer's last step; a decode step reads the
-    same bytes): on a Reserved cache with room for it (fast: appended in place, one_query_attention)
-    and on a plain Cache (torch.cat, scaled_dot_product_attention)."""
+    same bytes): on a Reserved cache with room for it (fast: appended in place, and this CPU's kernels for
+    one token, fast.AMX) and on a plain Cache (torch.cat, F.linear, scaled_dot_product_attention)."""
     model = kvt.build_model(name, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     _, cache = model(ids[:, :-1], last=True)
     reserved = fast.reserve(cache, 1)
-    return {"one-token step, fast.Reserved": lambda: model(ids[:, -1:], cache=reserved),
+
+    def quick():
+        with fast.one_row_linears(model):                        # as take_over's last step runs it
+            return model(ids[:, -1:], cache=reserved)
+    return {"one-token step, fast.Reserved": quick,
             "one-token step, plain Cache": lambda: model(ids[:, -1:], cache=cache)}
 
 
@@ -155,6 +159,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="then the first (fast) one once under torch.profiler")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    fast.keep_freed_memory()                                  # as kvt bench and run.py do
     if args.what == "stream":
         print(f"stream, {args.shape}, {args.tokens} tokens, {args.dtype}, {hardware()}; median of {args.repeats} "
               "after a warm-up")

@@ -58,11 +58,13 @@ PAIRS = {"head": (tiny_config("qwen3", n_layers=3), tiny_config("llama", n_layer
 @pytest.mark.parametrize("tile", [256, 17])
 def test_apply_fast_equals_apply(scope, dtype, B, T, pad, tile, monkeypatch):
     """fast.apply and Mapper.apply give the same cache (mapper and cache in `dtype`, biases non-zero, keys
-    moved to other positions), whole or, in head scope (By = 16 < TILE), in tiles of 17 tokens (fast.TILE).
+    moved to other positions), whole or, in head scope (By = 16 < TILE), in tiles of 17 tokens (fast.TILE,
+    and fast.AMX_TILE for bf16 on a CPU with AMX).
     Guards: the fast map without its
     bias, a selected layer's features put in another's place in the gathered buffer, the target's RoPE
     left out, a tile of the second sequence read from the first's tokens, or a short last tile dropped."""
     monkeypatch.setattr(fast, "TILE", tile)
+    monkeypatch.setattr(fast, "AMX_TILE", tile)                   # bf16's tiles on a CPU with AMX
     src, tgt = PAIRS[scope]
     mapper = random_mapper(src, tgt, scope, k=2, dtype=dtype, bias=0.5)
     cache = source_cache(src, B, T, dtype, pad)
@@ -206,14 +208,15 @@ def test_handoff_and_generate_plain_equal_fast(pair, dtype, scope):
 
 
 def test_the_fast_path_attends_one_query_in_float32(pair, monkeypatch):
-    """The cache chooses the attention: take_over's last token and each of fast.generate's steps attend
-    through fast.one_query_attention (a bf16 query on a CPU, over a Reserved cache), every layer; the
+    """The cache chooses the attention: on a CPU without AMX, take_over's last token and each of
+    fast.generate's steps attend through fast.one_query_attention (a bf16 query, over a Reserved cache), every layer; the
     plain path, and a Reserved cache with no room left (a plain Cache after its step), never do.
     Guards: Reserved.attend lost, the fast path then running torch's fused kernel for one query (1.7x
     slower decoding, docs/speed.md) with every fast test still green."""
     calls = []
     one_query = fast.one_query_attention
     monkeypatch.setattr(fast, "one_query_attention", lambda *a: calls.append(a[0].shape) or one_query(*a))
+    monkeypatch.setattr(fast, "AMX", False)                         # the choice of a CPU without AMX
     source, target = (m.to(torch.bfloat16) for m in pair)
     mapper = random_mapper(source.config, target.config, "head", k=2, dtype=torch.bfloat16)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
@@ -228,6 +231,47 @@ def test_the_fast_path_attends_one_query_in_float32(pair, monkeypatch):
     assert len(calls) == 4 * L, f"take_over + 3 decode steps: {len(calls)} of {4 * L} layers in one_query_attention"
     _, grown = target(ids[:, -1:], cache=cache)                      # take_over's cache has no room left
     assert type(grown) is Cache and len(calls) == 4 * L, "a Reserved cache out of room attended as a Reserved one"
+
+
+def test_on_amx_the_one_token_step_reads_its_weights_by_mv(pair, monkeypatch):
+    """On a CPU with AMX (forced here, whatever this CPU is), take_over's last token and each decode step
+    run every linear of the target (7 per layer and the output layer) as torch.mv inside
+    fast.one_row_linears and attend with torch's fused kernel, not one_query_attention; the plain path
+    never does; the model's linears are plain nn.Linear again afterwards. Guards: the AMX choice lost
+    on its way to a step (then no mv call), and one_row_linears leaving its forward on the model (the
+    next prefill then pays a Python call per linear)."""
+    mv, rows = torch.mv, []
+    monkeypatch.setattr(fast, "AMX", True)
+    monkeypatch.setattr(torch, "mv", lambda w, x: rows.append(w.shape) or mv(w, x))
+    monkeypatch.setattr(fast, "one_query_attention", lambda *a: pytest.fail("one_query_attention ran on AMX"))
+    source, target = (m.to(torch.bfloat16) for m in pair)
+    mapper = random_mapper(source.config, target.config, "head", k=2, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    _, src_cache = source(ids[:, :-1], last=True)
+    L = target.config.n_layers
+    for path in ("plain", "fast"):
+        logits, cache = take_over(target, mapper, src_cache, ids[:, -1:], plain=path == "plain")
+        n = len(rows)
+        fast.generate(target, logits[:, -1], cache, 4, plain=path == "plain")
+        assert (n, len(rows)) == ((0, 0) if path == "plain" else (7 * L + 1, 4 * (7 * L + 1))), \
+            f"{path}: {n} mv calls at the last token, {len(rows)} with 3 decode steps"
+    assert not [m for m in target.modules() if "forward" in vars(m)], "one_row_linears left its forward on the model"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_row_linear_equals_linear(dtype, monkeypatch):
+    """fast.one_row_linear (torch.mv on a CPU with AMX, forced here) equals a float32 product rounded once
+    to dtype, within one unit of dtype's last place, for one row and (through F.linear) for three.
+    Guards: the row read reversed or from the weight's columns (a square weight)."""
+    monkeypatch.setattr(fast, "AMX", True)
+    g = torch.Generator().manual_seed(8)
+    linear = torch.nn.Linear(64, 64, bias=False).to(dtype)
+    linear.weight.data = torch.randn(64, 64, generator=g).to(dtype)
+    for x in (torch.randn(1, 1, 64, generator=g).to(dtype), torch.randn(1, 3, 64, generator=g).to(dtype)):
+        exact = (x.float() @ linear.weight.float().T).to(dtype).float()
+        err = (fast.one_row_linear(linear, x).float() - exact).abs()
+        ulp = 2.0 ** (exact.abs().clamp(min=1e-3).log2().floor() - (7 if dtype == torch.bfloat16 else 10))
+        assert (err <= ulp).all(), f"{tuple(x.shape)}: {(err / ulp).max():.1f} units of {dtype}'s last place off"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -175,7 +175,7 @@ def test_plain_runs_no_fast_twin(pair, tmp_path, monkeypatch, how):
 
     def refused(*args, **kw):
         raise AssertionError("a fast twin ran under --plain")
-    for name in ("apply", "add_batch", "reserve", "Reserved", "one_query_attention"):
+    for name in ("apply", "add_batch", "reserve", "Reserved", "one_query_attention", "one_row_linears"):
         monkeypatch.setattr(fast, name, refused)
     if how == "KVT_PLAIN=1":
         monkeypatch.setenv("KVT_PLAIN", "1")
