@@ -159,7 +159,7 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"python -m tests\.bench_models .*",
      Run(r"^\| decode 2 \| float32 \| 64 \| ", sizes={"--tokens": "64", "--decode": "2", "--repeats": "1",
                                                       "--dtypes": "float32"})),
-    (r"python -m tests\.bench_fast apply .*", Run(r"^\| fast\.apply \| ", sizes={"--tokens": "64", "--repeats": "1"})),
+    (r"python -m tests\.bench_fast apply .*", Run(r"^\| fast\.apply \(tiles of \d+\) \| ", sizes={"--tokens": "64", "--repeats": "1"})),
     (r"python -m tests\.bench_eval( --repeats 3)?", Run(EVAL_AGREE, sizes={"--repeats": "1", "--limit": "4"})),
     (r"python -m tests\.bench_eval --source weights/smollm2-135m .*",
      Run(EVAL_AGREE, sizes={"--tasks": "arc_easy", "--limit": "2", "--repeats": "1", "--batches": "1,2",
