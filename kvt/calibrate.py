@@ -9,44 +9,83 @@
    validation R^2 (ridge.pick_layers).
 3. In layer scope on a matched pair, a second pass: layer-level sums of only the selected layers.
 4. Ridge per target layer and kind (ridge.fit_layers), lambda picked from ridge.LAMBDAS on validation
-   unless one is given; the fits stacked into a Mapper (mapper.from_fits).
+   unless one is given; the fits stacked into a Mapper (mapper.from_fits). With mapper="mlp", the
+   paper's MLP backstop replaces ridge on the selected layers (mlp.add_mlp; "ridge+mlp": kvt's
+   residual MLP on top of ridge).
 
 Statistics go through the fast adder unless plain=True (fast.adder: centered float32 products, or
-float64 ones). The commands run these same steps with what a long run needs around them (checkpoints
-and resume, data parallelism, memory-bounded passes, attention weights, the MLP backstop):
-kvt/harness/calibration.py.
+float64 ones). `run` is what a long run passes in around these steps (Run: checkpoints and resume,
+data parallelism, memory-bounded passes, attention weights): run.py's is built by
+kvt/harness/calibration.py; the defaults are the plain steps in one process.
 """
+from dataclasses import dataclass
+from typing import Callable
+
 from kvt import fast, ridge
 from kvt.config import check_matched_kv, matched_kv
 from kvt.mapper import from_fits
-from kvt.stats import KINDS, accumulate, layers_used, new_stats
+from kvt.mlp import add_mlp
+from kvt.stats import KINDS, accumulate, candidate_layers, layers_used, new_stats
 
 
-def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, plain=False):
-    """Fit a ridge Mapper from source to target (kvt models) on calib, `k` source layers per target layer,
-    at `lam` (None: each target layer picks its own on validation). Returns (mapper, report):
-    report["r2_single"][kind] (Ls, Lt) validation R^2 of every single-layer fit, report["r2"][kind] (Lt,)
-    and report["lambda"][kind] (Lt,) of the final fits."""
+@dataclass(frozen=True)
+class Run:
+    """What a long run passes in; each None is the plain step. The hooks return what the step would."""
+    sums: Callable = None      # (name "pass1"/"pass2", scope, src_layers, tgt_layers) -> Stats summed over calib
+    candidates: int = None     # source layers to select from, spread evenly (stats.candidate_layers; None: all)
+    select: Callable = None    # a layer-selection rule (stats, kind, k, lams) -> (Lt, k), instead of the paper's
+    groups: Callable = None    # selected -> lists of target layers, one layer-level pass each (None: one pass)
+    fitted: Callable = None    # (selected, targets, lams, fit) -> fit() or the fits a run saved of it
+    fit: Callable = None       # step 4 from the first pass: (stats, selected, lams, skipped) -> fits
+    train_mlp: Callable = None  # (kind, l, train) -> train() or the MLP a run saved: (params, loss)
+    progress: bool = False     # progress bars
+
+
+def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, mapper="ridge", plain=False,
+              run=Run()):
+    """Fit a Mapper from source to target (kvt models) on calib, `k` source layers per target layer,
+    at `lam` (None: each target layer picks its own on validation); mapper: "ridge", "mlp" or
+    "ridge+mlp". Returns (mapper, report): report["r2_single"][kind] (Ls, Lt) validation R^2 of every
+    single-layer fit, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the ridge fits."""
     src_cfg, tgt_cfg = source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
-    matched, lams, k = matched_kv(src_cfg, tgt_cfg), ridge.lambdas(lam), min(k, src_cfg.n_layers)
-    device, add, skipped = next(source.parameters()).device, fast.adder(plain), ridge.no_skips()
+    matched, lams, candidates = matched_kv(src_cfg, tgt_cfg), ridge.lambdas(lam), candidate_layers(src_cfg.n_layers,
+                                                                                                   run.candidates)
+    k, skipped, device = min(k, len(candidates)), ridge.no_skips(), next(source.parameters()).device
 
-    def sums(scope_, src_layers=None):                 # zero statistics, streamed full over calib
-        return accumulate(source, target, calib, new_stats(src_cfg, tgt_cfg, scope_, src_layers, device=device),
-                          batch_size, add)
+    def sums(name, scope_, src_layers=None, tgt_layers=None):    # zero statistics, streamed full over calib
+        if run.sums:
+            return run.sums(name, scope_, src_layers, tgt_layers)
+        stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device=device)
+        return accumulate(source, target, calib, stats, batch_size, fast.adder(plain))
 
-    # 1. statistics over every source layer, head-level where the pair has matched KV
-    stats = sums("head" if matched else "layer")
+    def fit(stats, selected, lams, skip):                    # step 4: ridge per target layer and kind
+        return {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skip[kind], host=True) for kind in KINDS}
+
+    # 1. statistics over every candidate source layer, head-level where the pair has matched KV
+    stats = sums("pass1", "head" if matched else "layer", candidates)
     # 2. per target layer and kind, the k source layers with the best validation single-layer R^2
     r2_single, selected = ridge.pick_layers(stats, k, lams, skipped["select"])
-    # 3. layer scope on a matched pair: a layer-level pass over only the selected layers
+    if run.select:
+        selected = {kind: run.select(stats, kind, k, lams) for kind in KINDS}
     if scope == "layer" and matched:
+        # 3. a layer-level pass over only the selected layers (per group of target layers), then 4. per group
         del stats                                      # free the first pass before the next allocates
-        stats = sums("layer", layers_used(selected))
-    # 4. ridge per target layer and kind, at the lambda with the best validation R^2
-    fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
-            for kind in KINDS}
+        fits = {kind: {} for kind in KINDS}
+        for targets in run.groups(selected) if run.groups else [None]:
+            def fit_group(targets=targets):
+                skip = {kind: {} for kind in KINDS}
+                return fit(sums("pass2", "layer", layers_used(selected, targets), targets), selected, lams, skip), skip
+            got, skip = run.fitted(selected, targets, lams, fit_group) if run.fitted else fit_group()
+            for kind in KINDS:
+                fits[kind].update(got[kind])
+                skipped["fit"][kind].update(skip[kind])
+    else:
+        # 4. ridge per target layer and kind, at the lambda with the best validation R^2
+        fits = (run.fit or fit)(stats, selected, lams, skipped["fit"])
     meta = {"k": k, "calib_sequences": len(calib.fit), "calib_len": calib.fit.shape[1], "calib": calib.hash(),
             **ridge.skipped_meta(skipped)}
-    return from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta)
+    out, report = from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta)
+    if mapper != "ridge":                              # the MLP backstop on the selected layers
+        out = add_mlp(out, source, target, calib, mapper, train_mlp=run.train_mlp, progress=run.progress)
+    return out, report

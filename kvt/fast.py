@@ -384,7 +384,7 @@ def map_layer(mapper, kind, l, xs, out, cos_sin=None):
              else [(0, B, 0, T)])                                       # (first row, rows, first slot, slots)
     for r, rows, t0, n in spans:
         n0, m = r * T + t0, rows * n                                      # features n0 .. n0 + m
-        if mapper.mlp_mode:
+        if mapper.mapper != "ridge":
             y = mapper.map_layer(kind, l, {src: xs[src][:, n0:n0 + m] for src in sel})
         else:
             x = torch.cat([xs[src][:, n0:n0 + m] for src in sel], dim=-1)  # (G, m, k*Bx)

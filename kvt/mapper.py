@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvt import rope
 from kvt import mlp as mlp_
+from kvt import rope
 from kvt.cache import Cache
 from kvt.capture import layer_features, unfeatures
 from kvt.config import Config
@@ -40,7 +40,7 @@ class Mapper:
     W: dict                # kind -> (Lt, G, k*Bx, By); after place(), a list of Lt tensors (G, k*Bx, By)
     b: dict                # kind -> (Lt, G, By); after place(), a list of Lt tensors (G, By)
     mlp: dict = field(default_factory=dict)  # kind -> {w0 (Lt, k*Hkv*D, H1), b0 (Lt, H1), ..., w_last (Lt, H, O), ...}
-    mlp_mode: str = ""     # "" ridge only; "replace" MLP only (the paper's); "residual" ridge + MLP (kvt's option)
+    mapper: str = "ridge"  # calibrate's mapper=: "ridge"; "mlp", the MLP instead (the paper's); "ridge+mlp" (kvt's)
     meta: dict = field(default_factory=dict)  # k, lambda, tokenizer fingerprint, diagnostics...
 
     @torch.no_grad()
@@ -82,12 +82,12 @@ class Mapper:
         work = torch.promote_types(xs[self.layers[kind][l][0].item()].dtype, torch.float32)
         x = torch.cat([xs[src].to(work) for src in self.layers[kind][l].tolist()], dim=-1)  # (G, N, k*Bx)
         y = 0
-        if self.mlp_mode != "replace":                                         # ridge
+        if self.mapper != "mlp":                                               # ridge
             y = x @ self.W[kind][l].to(x) + self.b[kind][l].to(x)[:, None]     # (G, N, k*Bx) @ (G, k*Bx, By)
-        if self.mlp_mode:                                                      # the MLP backstop
+        if self.mapper != "ridge":                                             # the MLP backstop
             p = {name: w[l].to(x) for name, w in self.mlp[kind].items()}
             G, N = x.shape[:2]
-            y = y + unflat(mlp_.forward(p, flat(x.view(G, N, len(self.layers[kind][l]), -1))), G)
+            y = y + mlp_.unflat(mlp_.forward(p, mlp_.flat(x.view(G, N, len(self.layers[kind][l]), -1))), G)
         return y
 
     def n_params(self):
@@ -139,18 +139,8 @@ class Mapper:
         """A copy with fn applied to every tensor (selections, weights, MLP weights)."""
         return Mapper(self.scope, self.src_cfg, self.tgt_cfg, {k: fn(v) for k, v in self.layers.items()},
                       {k: fn(v) for k, v in self.W.items()}, {k: fn(v) for k, v in self.b.items()},
-                      {k: {n: fn(w) for n, w in p.items()} for k, p in self.mlp.items()}, self.mlp_mode,
+                      {k: {n: fn(w) for n, w in p.items()} for k, p in self.mlp.items()}, self.mapper,
                       dict(self.meta))
-
-
-def flat(x):
-    """Group layout (G, N, k, Bx) -> all heads of the k layers per token (N, k*Hkv*D), the MLP's input."""
-    return x.permute(1, 2, 0, 3).reshape(x.shape[1], -1)            # (N, k, G, Bx) -> (N, k*G*Bx)
-
-
-def unflat(y, G):
-    """(N, Hkv*D) -> group layout (G, N, By)."""
-    return y.view(y.shape[0], G, -1).transpose(0, 1)                 # (G, N, By)
 
 
 def from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta):

@@ -77,7 +77,7 @@ def test_apply_fast_equals_apply(scope, dtype, B, T, pad, tile, monkeypatch):
     assert_same_cache(fast.apply(mapper, cache, positions=moved), mapper.apply(cache, positions=moved), dtype, "moved")
 
 
-@pytest.mark.parametrize("mode", ["replace", "residual"])
+@pytest.mark.parametrize("mode", ["mlp", "ridge+mlp"])
 def test_apply_fast_with_an_mlp_equals_apply(mode, monkeypatch):
     """The MLP backstop goes through the same map_layer on both paths, the fast one in tiles of 17 tokens.
     Guards: the fast path dropping it."""
@@ -86,7 +86,7 @@ def test_apply_fast_with_an_mlp_equals_apply(mode, monkeypatch):
     mapper = random_mapper(src, tgt, "head", k=2, bias=0.5)
     G, D, k = src.n_kv_heads, src.head_dim, 2
     g = torch.Generator().manual_seed(3)
-    mapper.mlp_mode = mode
+    mapper.mapper = mode
     mapper.mlp = {kind: {"w0": torch.randn(tgt.n_layers, k * G * D, 8, generator=g) * 0.1,
                          "b0": torch.zeros(tgt.n_layers, 8),
                          "w1": torch.randn(tgt.n_layers, 8, G * D, generator=g) * 0.1,

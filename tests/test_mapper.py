@@ -11,7 +11,8 @@ from kvt import mlp, ridge
 from kvt.config import KvtError
 from kvt.calibrate import calibrate
 from kvt.harness import calibration
-from kvt.harness.calibration import CalibrationOptions, add_mlp
+from kvt.harness.calibration import CalibrationOptions, saved_mlps
+from kvt.mlp import add_mlp
 from kvt.harness.files import load_mapper, save_mapper
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,16 +154,15 @@ def test_mlp_backstop_on_a_mapper(tmp_path):
     mapper, _ = calibrate(source, target, CALIB, k=2)
     _, cache = source(IDS[:1])
     _, own = target(IDS[:1])
-    replaced = add_mlp(mapper, source, target, CALIB, hidden=(32, 32), schedule=mlp.Schedule(max_epochs=2),
-                       progress=False)
-    assert replaced.mlp_mode == "replace" and replaced.mlp["k"]["w1"].shape == (2, 32, 32)
+    replaced = add_mlp(mapper, source, target, CALIB, hidden=(32, 32), schedule=mlp.Schedule(max_epochs=2))
+    assert replaced.mapper == "mlp" and replaced.mlp["k"]["w1"].shape == (2, 32, 32)
     assert replaced.mlp["k"]["w0"].shape == (2, 2 * 2 * 16, 32) and replaced.mlp["k"]["w2"].shape == (2, 32, 32)
     no_ridge = replaced.to()
     no_ridge.W = {kind: torch.randn_like(w) for kind, w in replaced.W.items()}
     assert_same_cache(no_ridge.apply(cache), replaced.apply(cache), "replace mode without ridge weights", atol=0)
-    residual = add_mlp(mapper, source, target, CALIB, mode="residual", hidden=64,
-                       schedule=mlp.Schedule(max_epochs=40, patience=40), progress=False)
-    assert residual.mlp_mode == "residual" and residual.mlp["k"]["w0"].shape == (2, 2 * 2 * 16, 64)
+    residual = add_mlp(mapper, source, target, CALIB, "ridge+mlp", hidden=64,
+                       schedule=mlp.Schedule(max_epochs=40, patience=40))
+    assert residual.mapper == "ridge+mlp" and residual.mlp["k"]["w0"].shape == (2, 2 * 2 * 16, 64)
     _, fit_cache = source(CALIB.fit)
     _, fit_own = target(CALIB.fit)
 
@@ -173,22 +173,21 @@ def test_mlp_backstop_on_a_mapper(tmp_path):
     for m in (replaced, residual):
         save_mapper(m, tmp_path / "m.safetensors")
         back = load_mapper(tmp_path / "m.safetensors")
-        assert back.mlp_mode == m.mlp_mode
+        assert back.mapper == m.mapper
         assert_same_cache(back.apply(cache), m.apply(cache), "MLP mapper after save/load", atol=1e-6)
 
 
 def test_mlp_training_stopped_midway_resumes_from_its_checkpoint(tmp_path, monkeypatch):
-    """add_mlp saves each MLP as it finishes; a run stopped after three of four trains only the last
+    """saved_mlps saves each MLP as it finishes; a run stopped after three of four trains only the last
     one on resume and ends with the same mapper as an uninterrupted run; a checkpoint made for other
     settings is refused in one line. Guards: retraining finished MLPs (hours on a real pair), a resumed
     run drawing another sample, and silently reusing another mapper's MLPs."""
-    import kvt.harness.calibration as C
     source = kvt.build_model(tiny_config("llama", n_layers=3), seed=0)
     target = kvt.build_model(tiny_config("llama", n_layers=2), seed=1)
     mapper, _ = calibrate(source, target, CALIB, k=2)
-    kw = dict(hidden=(16,), schedule=mlp.Schedule(max_epochs=2), progress=False)
+    kw = dict(hidden=(16,), schedule=mlp.Schedule(max_epochs=2))
     whole = add_mlp(mapper, source, target, CALIB, **kw)
-    train, calls, stop = C.mlp.train, [], [True]
+    train, calls, stop = mlp.train, [], [True]
 
     class Stopped(Exception):
         pass
@@ -198,19 +197,19 @@ def test_mlp_training_stopped_midway_resumes_from_its_checkpoint(tmp_path, monke
             raise Stopped
         calls.append(1)
         return train(*a, **k)
-    monkeypatch.setattr(C.mlp, "train", stops_after_three)
+    monkeypatch.setattr(mlp, "train", stops_after_three)
     with pytest.raises(Stopped):
-        add_mlp(mapper, source, target, CALIB, checkpoint=tmp_path / "mlp", key="a", **kw)
+        add_mlp(mapper, source, target, CALIB, train_mlp=saved_mlps(tmp_path / "mlp", "a", False), **kw)
     assert len(list(tmp_path.glob("mlp-*.safetensors"))) == 3
     calls.clear()
     stop[0] = False
-    resumed = add_mlp(mapper, source, target, CALIB, checkpoint=tmp_path / "mlp", key="a", **kw)
+    resumed = add_mlp(mapper, source, target, CALIB, train_mlp=saved_mlps(tmp_path / "mlp", "a", False), **kw)
     assert len(calls) == 1, "a resumed run retrained MLPs it had saved"
     for kind in "kv":
         for name, w in whole.mlp[kind].items():
             assert torch.equal(w, resumed.mlp[kind][name]), f"{kind}.{name} differs after resuming"
     with pytest.raises(KvtError, match="another pair, mapper or settings"):
-        add_mlp(mapper, source, target, CALIB, checkpoint=tmp_path / "mlp", key="b", **kw)
+        add_mlp(mapper, source, target, CALIB, train_mlp=saved_mlps(tmp_path / "mlp", "b", False), **kw)
 
 
 @pytest.mark.parametrize("scope", ["head", "layer"])

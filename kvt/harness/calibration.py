@@ -1,18 +1,18 @@
-"""The calibration a command runs: the paper's steps (kvt/calibrate.py) with what a long run needs around them.
+"""The calibration a command runs: kvt/calibrate.py's calibrate, with the hooks a long run needs passed in.
 
-    mapper, report = calibrate(source, target, calib, "layer", k=8, options=CalibrationOptions(checkpoint="out/stats"))
-    mapper = add_mlp(mapper, source, target, calib, mode="replace")    # the MLP backstop (`--mapper mlp`)
+    mapper, report = calibrate(source, target, calib, "layer", k=8, mapper="mlp",
+                               options=CalibrationOptions(checkpoint="out/stats", mlp_checkpoint="out/mlp"))
 
-The steps are kvt/calibrate.py's, built from the same helpers (stats.new_stats, ridge.pick_layers,
-ridge.fit_layers, mapper.from_fits), so both give the same mapper (tests/test_mapper.py). Around them:
+The four steps exist once, in kvt/calibrate.py; this file builds the kvt.calibrate.Run (long_run) they
+run through, so both give the same mapper (tests/test_mapper.py). What the hooks bring:
   - checkpoints and resume (accumulate_resumable): each pass's statistics saved every `save_s` seconds
     at a flush point, and a run that finds them resumes bit-identically or reuses them;
   - data parallelism under torchrun (harness/dist.py): each rank streams its share, the sums all-reduced;
   - bounded memory: the memory plan printed (harness/plan.py), fewer candidate layers, float32 sums,
-    and layer scope's second pass split into groups of target layers (target_groups, layer_fits), each
-    group's fits saved as it is done;
+    and layer scope's second pass split into groups of target layers (target_groups), each group's
+    fits saved as it is done (saved_fits);
   - a custom layer-selection rule (`select`), and the attention-weighted fit (harness/attnfit.py);
-  - the MLP backstop (add_mlp), trained on sampled features, each MLP checkpointed;
+  - each MLP of the backstop saved as it finishes (saved_mlps);
   - the fingerprints of the pair's weights in the mapper, checked against the models it meets.
 """
 import math
@@ -25,13 +25,13 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from kvt import fast, mlp, ridge
-from kvt.capture import capture, features
-from kvt.config import KvtError, check_matched_kv, matched_kv
+import kvt.calibrate
+from kvt import fast
+from kvt.capture import capture
+from kvt.config import KvtError, check_matched_kv
 from kvt.harness import attnfit, dist
 from kvt.harness.files import load_fits, load_mlp_checkpoint, load_stats, save_fits, save_mlp_checkpoint, save_stats, short_id
 from kvt.harness.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
-from kvt.mapper import flat, from_fits, unflat
 from kvt.stats import KINDS, SPLITS, candidate_layers, groups, layers_used, new_stats
 from kvt.weights import comparable, model_fingerprint
 
@@ -54,6 +54,8 @@ class CalibrationOptions:
     select: Callable = None       # a layer-selection rule (stats, kind, k, lams) -> (Lt, k); default the paper's
     weights: str = "uniform"      # "uniform" (the paper's) or "attention" (attnfit.py, head scope only)
     plain: bool = False           # float64 products (stats.add_batches) instead of the fast adder
+    mlp_checkpoint: str = None    # path prefix: each MLP saved as it finishes (saved_mlps)
+    mlp_key: str = ""             # what the MLP checkpoints depend on
 
 
 # ---- statistics: resumable, data parallel ----------------------------------------------------------------
@@ -163,64 +165,75 @@ def zero_(stats):
             t.zero_()
 
 
-# ---- the steps --------------------------------------------------------------------------------------------
+# ---- the steps: kvt/calibrate.py's, with a long run's hooks ----------------------------------------------
 
-def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, options=CalibrationOptions()):
-    """kvt.calibrate.calibrate's steps, run as `options` say (CalibrationOptions):
+def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, mapper="ridge",
+              options=CalibrationOptions()):
+    """kvt.calibrate.calibrate, run as `options` say (CalibrationOptions), through the hooks long_run gives it:
     1. statistics over the candidate source layers (head-level when the pair has matched KV), saved to
        CHECKPOINT.pass1 and resumed from, or reused by a calibration that needs the same sums;
     2. per target layer and kind, the k candidates with the best validation single-layer R^2 (or
        options.select's rule, read from the first pass's statistics);
     3. layer scope on a matched pair: layer-level passes of only the selected layers, one per group of
-       target layers (layer_fits: CHECKPOINT.pass2-<id of its layers>, its fits CHECKPOINT.fit-<id>-<id>);
+       target layers (target_groups: CHECKPOINT.pass2-<id of its layers>, its fits CHECKPOINT.fit-<id>-<id>);
     4. ridge per target layer and kind, lambda picked on validation (with weights="attention": the
-       attention-weighted fit, weighted_fits, from a second pass saved as CHECKPOINT.attn-<id>).
+       attention-weighted fit, weighted_fits, from a second pass saved as CHECKPOINT.attn-<id>); with
+       mapper="mlp" or "ridge+mlp", the MLPs, each saved as it finishes (saved_mlps).
     Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
     Returns (mapper, report) as kvt.calibrate.calibrate does; the mapper's meta also records the
-    tokenizer, the pair's weight fingerprints (weights_meta) and, if any, the lambdas skipped as singular."""
+    tokenizer, the source KV's range (source_range) and the pair's weight fingerprints (weights_meta)."""
     o, src_cfg, tgt_cfg = options, source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
     if o.weights not in ("uniform", "attention"):
         raise KvtError(f"token weights {o.weights!r} are not known; use 'uniform' or 'attention'")
     if o.weights == "attention" and scope != "head":
         raise KvtError("the attention-weighted fit (--token-weights attention) is head-local; use it with --scope head")
-    matched, lams = matched_kv(src_cfg, tgt_cfg), ridge.lambdas(lam)
-    k = min(k, len(candidate_layers(src_cfg.n_layers, o.candidates)))
-    device = o.stats_device or next(source.parameters()).device
     if o.progress and dist.rank() == 0:
-        rows = memory_plan(src_cfg, tgt_cfg, scope, k, calib.fit.shape[1] * batch_size, o.candidates, o.stats_dtype,
-                           o.group, device)
-        print(f"calibration memory plan ({scope} scope, k={k}): {describe_plan(rows)}")
+        k_used = min(k, len(candidate_layers(src_cfg.n_layers, o.candidates)))
+        rows = memory_plan(src_cfg, tgt_cfg, scope, k_used, calib.fit.shape[1] * batch_size, o.candidates,
+                           o.stats_dtype, o.group, o.stats_device or next(source.parameters()).device)
+        print(f"calibration memory plan ({scope} scope, k={k_used}): {describe_plan(rows)}")
+    seen = {}                                          # what the hooks meet on the way: the source's range, alphas
+    out, report = kvt.calibrate.calibrate(source, target, calib, scope, k, lam, batch_size, mapper, o.plain,
+                                          long_run(source, target, calib, k, batch_size, o, seen))
+    out.meta.update(tokenizer=o.tokenizer, src_range=seen["src_range"], **weights_meta(source, target))
+    if "alpha" in seen:
+        out.meta.update(weights="attention", alpha=seen["alpha"])     # per target layer, per head
+    if "lambda_skipped" in out.meta and dist.rank() == 0:
+        print(f"warning: ridge skipped lambdas whose system is singular: {skipped_text(out.meta['lambda_skipped'])}")
+    return out, report
 
-    def run_pass(name, scope_, src_layers=None, tgt_layers=None, final=True):
-        stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device, o.stats_dtype, o.key)
-        return accumulate_resumable(source, target, calib, stats, batch_size, o.checkpoint and f"{o.checkpoint}.{name}",
-                                    save_s=o.save_s, final=final, progress=o.progress, add=fast.adder(o.plain))
 
-    skipped, alphas = ridge.no_skips(), None
-    stats = run_pass("pass1", "head" if matched else "layer", candidate_layers(src_cfg.n_layers, o.candidates))
-    r2_single, selected = ridge.pick_layers(stats, k, lams, skipped["select"])
-    src_range = source_range(stats)
-    if o.select:
-        selected = {kind: o.select(stats, kind, k, lams) for kind in KINDS}
-    if scope == "layer" and matched:
-        del stats                                      # free the first pass before the next allocates
-        bound = layer_group_bound(src_cfg, tgt_cfg, k, o.group, o.candidates)
-        fits, skipped["fit"] = layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, o)
-    elif o.weights == "attention":                     # kvt's option: a second, attention-weighted pass
-        fits, alphas = weighted_fits(source, target, calib, stats, selected, lams, skipped["fit"], batch_size, o)
-    else:
-        fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
-                for kind in KINDS}
-    meta = {"k": k, "tokenizer": o.tokenizer, "calib_sequences": len(calib.fit), "calib_len": calib.fit.shape[1],
-            "calib": calib.hash(), "src_range": src_range, **weights_meta(source, target)}
-    if alphas is not None:
-        per_layer = {kind: [alphas[kind][t] for t in range(tgt_cfg.n_layers)] for kind in KINDS}
-        meta.update(weights="attention", alpha=per_layer)   # per target layer, per head
-    meta.update(ridge.skipped_meta(skipped))
-    if "lambda_skipped" in meta and dist.rank() == 0:
-        print(f"warning: ridge skipped lambdas whose system is singular: {skipped_text(skipped)}")
-    return from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta)
+def long_run(source, target, calib, k, batch_size, options, seen):
+    """The kvt.calibrate.Run of a command: every pass through accumulate_resumable (checkpointed, resumed,
+    data parallel), layer scope's second pass in groups whose fits are saved (target_groups, saved_fits),
+    the attention-weighted fit when asked (weighted_fits) and the MLPs saved as they finish (saved_mlps).
+    seen gets the first pass's source_range and, with attention weights, the alphas."""
+    o, src_cfg, tgt_cfg = options, source.config, target.config
+    device = o.stats_device or next(source.parameters()).device
+
+    def sums(name, scope, src_layers, tgt_layers):
+        if name == "pass2":
+            name = f"pass2-{short_id([list(src_layers), list(tgt_layers)])}"   # named by what it sums
+        stats = new_stats(src_cfg, tgt_cfg, scope, src_layers, tgt_layers, device, o.stats_dtype, o.key)
+        stats = accumulate_resumable(source, target, calib, stats, batch_size, o.checkpoint and f"{o.checkpoint}.{name}",
+                                     save_s=o.save_s, final=o.keep_stats or name == "pass1", progress=o.progress,
+                                     add=fast.adder(o.plain))
+        if name == "pass1":
+            seen["src_range"] = source_range(stats)
+        return stats
+
+    def weighted(stats, selected, lams, skipped):
+        fits, alphas = weighted_fits(source, target, calib, stats, selected, lams, skipped, batch_size, o)
+        seen["alpha"] = {kind: [alphas[kind][t] for t in range(tgt_cfg.n_layers)] for kind in KINDS}
+        return fits
+
+    _, bx, by = groups(src_cfg, tgt_cfg, "layer")
+    bound = layer_group_bound(src_cfg, tgt_cfg, k, o.group, o.candidates)
+    return kvt.calibrate.Run(
+        sums=sums, candidates=o.candidates, select=o.select, groups=lambda selected: target_groups(selected, bx, by, bound),
+        fitted=saved_fits(o.checkpoint, o.key, o.keep_stats), fit=weighted if o.weights == "attention" else None,
+        train_mlp=saved_mlps(o.mlp_checkpoint, o.mlp_key, o.progress and dist.rank() == 0), progress=o.progress)
 
 
 def target_groups(selected, bx, by, bound):
@@ -244,37 +257,25 @@ def target_groups(selected, bx, by, bound):
     return out
 
 
-def layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, options):
-    """Steps 3 and 4 on a matched pair in layer scope: layer-level statistics of only the selected source
-    layers, one pass per group of target layers (target_groups within `bound`), each fitted by ridge as
-    soon as it is complete and then freed. run_pass(name, scope, src_layers, tgt_layers, final)
-    accumulates one pass (calibrate's). With options.checkpoint, a group's fits are saved
-    (CHECKPOINT.fit-<id of its layers>-<id of the fit>) and reused by a run that needs them, and with
-    keep_stats=False its statistics checkpoint is deleted once they are.
-    Returns (fits {kind: {target layer: (W, b, R^2, lambda)}}, skipped {kind: {target layer: [lambdas]}})."""
-    fits, skipped = {kind: {} for kind in KINDS}, {kind: {} for kind in KINDS}
-    checkpoint, key, keep = options.checkpoint, options.key, options.keep_stats
-    _, bx, by = groups(src_cfg, tgt_cfg, "layer")
-    for targets in target_groups(selected, bx, by, bound):
-        union = layers_used(selected, targets)
-        plan_id = short_id([union, targets])
+def saved_fits(checkpoint, key, keep_stats):
+    """The `fitted` hook of layer scope's groups: fitted(selected, targets, lams, fit) returns the fits
+    (fits {kind: {target layer: (W, b, R^2, lambda)}}, skipped {kind: {target layer: [lambdas]}}) of one
+    group of target layers, fit()'s or, with a checkpoint, those a run saved
+    (CHECKPOINT.fit-<id of its layers>-<id of the fit>); with keep_stats=False the group's statistics
+    checkpoint is deleted once its fits are saved."""
+    def fitted(selected, targets, lams, fit):
+        plan_id = short_id([layers_used(selected, targets), list(targets)])
         fit_id = short_id([lams, {kind: selected[kind][targets].tolist() for kind in KINDS}])
         done = checkpoint and f"{checkpoint}.fit-{plan_id}-{fit_id}"   # this group's fits, once made
         got = load_fits(done, key)
         if got is None:
-            stats = run_pass(f"pass2-{plan_id}", "layer", union, targets, final=keep)  # named by what it sums
-            skip = {kind: {} for kind in KINDS}
-            got = ({kind: ridge.fit_layers(stats, kind, selected[kind], lams, skip[kind], host=True)
-                    for kind in KINDS}, skip)
-            del stats
+            got = fit()
             if done and dist.rank() == 0:
                 save_fits(done, *got, key)
-                if not keep and os.path.exists(f"{checkpoint}.pass2-{plan_id}"):
+                if not keep_stats and os.path.exists(f"{checkpoint}.pass2-{plan_id}"):
                     os.remove(f"{checkpoint}.pass2-{plan_id}")                   # its fits hold what it gave
-        for kind in KINDS:                             # each W left the device as it was fitted
-            fits[kind].update(got[0][kind])
-            skipped[kind].update(got[1][kind])
-    return fits, skipped
+        return got
+    return fitted
 
 
 def weighted_fits(source, target, calib, stats, selected, lams, skipped, batch_size, options):
@@ -303,79 +304,24 @@ def skipped_text(skipped):
                      for step, kinds in skipped.items() for kind, by in kinds.items() for l, lams in by.items())
 
 
-# ---- the MLP backstop -------------------------------------------------------------------------------------
+# ---- the MLP backstop's checkpoints ----------------------------------------------------------------------
 
-def sample_features(source, target, ids, max_bytes=2 * 2**30, scope="head", seed=0, progress=False):
-    """Position-free K and V of a seeded random sample of the tokens of ids, within max_bytes (float32).
-
-    Returns {kind: (x (G, N, Ls, Bx), y (G, N, Lt, By))} of source and target: the stored features the
-    MLP trains on. Memory is bounded by sampling tokens evenly from every sequence."""
-    s, t = source.config, target.config
-    per_token = 4 * 2 * (s.n_layers * s.n_kv_heads * s.head_dim + t.n_layers * t.n_kv_heads * t.head_dim)
-    per_seq = max(1, min(ids.shape[1], max_bytes // per_token // len(ids)))
-    g = torch.Generator().manual_seed(seed)
-    device, tgt_device = next(source.parameters()).device, next(target.parameters()).device
-    parts = {kind: ([], []) for kind in KINDS}
-    for seq in tqdm(ids, desc="MLP training features", unit="seq", disable=not progress):
-        pick = torch.randperm(ids.shape[1], generator=g)[:per_seq].to(device)  # tokens kept from this sequence
-        src, tgt = capture(source, seq[None].to(device)), capture(target, seq[None].to(tgt_device))
-        for i, kind in enumerate(KINDS):  # layers of a model split across devices come to `device`
-            parts[kind][0].append(features([x.to(device) for x in src[i]], scope)[:, pick].float())
-            parts[kind][1].append(features([y.to(device) for y in tgt[i]], scope)[:, pick].float())
-    return {kind: (torch.cat(xs, 1), torch.cat(ys, 1)) for kind, (xs, ys) in parts.items()}
-
-
-MLP_MODES = {"replace": mlp.PAPER_HIDDEN, "residual": (1024,)}  # mode -> default hidden sizes
-
-
-def add_mlp(mapper, source, target, calib, mode="replace", hidden=None, schedule=mlp.Schedule(),
-            max_bytes=2 * 2**30, progress=True, checkpoint=None, key=""):
-    """The MLP backstop on a fitted Mapper (its layer selection); returns a new Mapper.
-
-    mode="replace" (the paper's, `--mapper mlp`): the MLP, two hidden layers of 1,024 units, replaces
-    ridge. mode="residual" (kvt's option, `--mapper ridge+mlp`): one hidden layer of 1,024 units on top
-    of ridge. hidden overrides the sizes. Trains one MLP per target layer and kind (mlp.train, as
-    `schedule` says) on a bounded sample of calib.fit's tokens, stopping early on calib.val; calib.diag
-    stays unseen for diagnostics (kvt.handoff.diagnose).
-
-    checkpoint: a path prefix; each MLP is saved as it finishes (CHECKPOINT-k3.safetensors, ...), marked
-    with `key` (what the caller made it for), and a run that finds them trains only the rest: on a real
-    pair the MLPs take hours. The sample is seeded, so a resumed run draws the same tokens."""
-    if mode not in MLP_MODES:
-        raise KvtError(f"MLP mode {mode!r} is not known; use one of {', '.join(MLP_MODES)}")
-    hidden = MLP_MODES[mode] if hidden is None else hidden
-    data = {}  # the sampled features, drawn when the first MLP that is not checkpointed needs them
-    out = mapper.to()
-    out.mlp_mode, out.mlp = mode, {}
-    for kind in KINDS:
-        params = []
-        for l in range(mapper.tgt_cfg.n_layers):
-            path = checkpoint and f"{checkpoint}-{kind}{l}.safetensors"
-            p = load_mlp_checkpoint(path, key)
-            if p is None:
-                if not data:
-                    data["fit"] = sample_features(source, target, calib.fit, max_bytes, mapper.scope, progress=progress)
-                    data["val"] = sample_features(source, target, calib.val, max_bytes // 10 + 1, mapper.scope,
-                                                  progress=progress)
-                p, loss = mlp.train(*_mlp_data(mapper, kind, l, *data["fit"][kind], mode),
-                                    *_mlp_data(mapper, kind, l, *data["val"][kind], mode), hidden, schedule)
-                if path and dist.rank() == 0:                             # every rank trains the same MLP
-                    save_mlp_checkpoint(path, p, key)
-                if progress:
-                    print(f"mlp ({mode}) {kind} layer {l}: validation loss {loss:.4f} (fraction of variance left)")
-            params.append(p)
-        out.mlp[kind] = {name: torch.stack([p[name] for p in params]).cpu() for name in params[0]}
-    out.meta["mlp_hidden"] = list(hidden) if not isinstance(hidden, int) else [hidden]
-    return out
-
-
-def _mlp_data(mapper, kind, l, xs, ys, mode):
-    """MLP inputs (N, k*Hkv*D) and targets (N, Hkv*D) for target layer l from sampled features
-    xs (G, N, Ls, Bx) and ys (G, N, Lt, By); residual: targets minus the ridge map's prediction."""
-    y = ys[:, :, l]                                                     # (G, N, By)
-    if mode == "residual":
-        y = y - mapper.map_layer(kind, l, list(xs.unbind(2)))
-    return flat(xs[:, :, mapper.layers[kind][l]]), y.transpose(0, 1).reshape(y.shape[1], -1)
+def saved_mlps(checkpoint, key="", progress=True):
+    """The `train_mlp` hook of mlp.add_mlp: each MLP saved as it finishes (CHECKPOINT-k3.safetensors, ...),
+    marked with `key` (what the caller made it for), and a run that finds them trains only the rest: on a
+    real pair the MLPs take hours. The sample is seeded, so a resumed run draws the same tokens."""
+    def train_mlp(kind, l, train):
+        path = checkpoint and f"{checkpoint}-{kind}{l}.safetensors"
+        p = load_mlp_checkpoint(path, key)
+        if p is not None:
+            return p, None
+        p, loss = train()
+        if path and dist.rank() == 0:                                 # every rank trains the same MLP
+            save_mlp_checkpoint(path, p, key)
+        if progress:
+            print(f"mlp {kind} layer {l}: validation loss {loss:.4f} (fraction of variance left)")
+        return p, loss
+    return train_mlp
 
 
 # ---- the weights a mapper was fitted on ----------------------------------------------------------------

@@ -159,7 +159,7 @@ def save_mlp_checkpoint(path, p, key):
 
 
 def load_mlp_checkpoint(path, key):
-    """One MLP that add_mlp saved as it finished ({"w0": ..., "b0": ...}), or None if there is none;
+    """One MLP that calibration saved as it finished ({"w0": ..., "b0": ...}), or None if there is none;
     refuses one made for other settings, or unreadable, in one line."""
     fix = f"delete the {os.path.basename(str(path)).rsplit('-', 1)[0]}-* files to train again"
     got = load(path, MLP_FORMAT, "MLP checkpoint", fix, key, other="another pair, mapper or settings")
@@ -174,7 +174,7 @@ MAPPER_FORMAT = "kvt-mapper-2"  # 2: disjoint calibration regions, standardized 
 def save_mapper(mapper, path, dtype=torch.float32):
     """Write a mapper as safetensors with its pair's metadata, atomically; dtype=torch.bfloat16 halves it."""
     tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in mapper.to("cpu").tensors().items()}
-    meta = {"kvt_version": kvt.__version__, "scope": mapper.scope, "mlp": mapper.mlp_mode,
+    meta = {"kvt_version": kvt.__version__, "scope": mapper.scope, "mapper": mapper.mapper,
             "src_config": json.dumps(asdict(mapper.src_cfg)), "tgt_config": json.dumps(asdict(mapper.tgt_cfg)),
             "src_fingerprint": mapper.src_cfg.fingerprint(), "tgt_fingerprint": mapper.tgt_cfg.fingerprint(),
             "tokenizer": str(mapper.meta.get("tokenizer", "")), "meta": json.dumps(mapper.meta)}
@@ -207,11 +207,12 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
         raise KvtError(f"mapper {path} was made from other weights, data or settings ({made_from}, not {key}); "
                        "delete it to calibrate again")
     t = {name: x.to(dtype) if x.is_floating_point() else x for name, x in t.items()}
+    form = meta.get("mapper") or {"": "ridge", "replace": "mlp", "residual": "ridge+mlp"}.get(meta.get("mlp"))  # older files
     mlp = {kind: {name.split(".")[-1]: x for name, x in t.items() if name.startswith(f"{kind}.mlp.")}
            for kind in KINDS}
     return Mapper(meta["scope"], Config(**json.loads(meta["src_config"])), Config(**json.loads(meta["tgt_config"])),
                   {kind: t[f"{kind}.layers"] for kind in KINDS}, {kind: t[f"{kind}.W"] for kind in KINDS},
-                  {kind: t[f"{kind}.b"] for kind in KINDS}, {k: v for k, v in mlp.items() if v}, meta["mlp"],
+                  {kind: t[f"{kind}.b"] for kind in KINDS}, {k: v for k, v in mlp.items() if v}, form,
                   json.loads(meta["meta"]))
 
 

@@ -57,7 +57,7 @@ from kvt.harness.data import calibration_sequences, check_same_tokenizer, heldou
 from kvt.harness.figures import retention_png
 from kvt.harness.diagnose import MAX_KL, MIN_ATTN_COS, diagnose, format_diagnostics, gate, next_nll
 from kvt.handoff import Recompute
-from kvt.harness.calibration import CalibrationOptions, add_mlp, calibrate, check_pair_weights
+from kvt.harness.calibration import CalibrationOptions, calibrate, check_pair_weights
 from kvt.harness.files import MAPPER_FORMAT, STATS_FORMAT, load_mapper, save_mapper, short_id
 from kvt.loading import check_weights, layer_devices
 from kvt.harness.plan import (Options, capacity, check_plan, disk_plan, eval_batch, format_plan, k_used, nearly_full,
@@ -71,7 +71,6 @@ REAL_TASKS = "hellaswag,arc_easy,arc_challenge,mmlu,gsm8k"
 REAL_CALIB = ("calib/wikitext-2", "calib/gutenberg")    # under the data folder: about 3.7M tokens of prose
 RECORDS_FORMAT = "kvt-records-3"                         # 3: keyed by what was scored (item_key)
 SMALL_WIDTH = 512  # models narrower than this run on one CPU thread (the toy family: 64-128 wide)
-MLP_MODES = {"mlp": "replace", "ridge+mlp": "residual"}
 MAX_LAM = 1e4    # --lam beyond 100x the grid's largest: every standardized direction shrunk to near zero
 
 
@@ -392,11 +391,8 @@ def get_mapper(s, source, target, tok, calib, out, skey, dtype, group=None):
     options = CalibrationOptions(checkpoint=stats, key=short_id(skey), tokenizer=tok.fingerprint(), group=group,
                                  stats_dtype=getattr(torch, s.stats_dtype), candidates=s.candidates,
                                  progress=dist.rank() == 0, keep_stats=s.keep_stats, weights=s.token_weights,
-                                 plain=s.plain)
-    mapper, report = calibrate(source, target, calib, s.scope, s.k, s.lam, options=options)
-    if s.mapper in MLP_MODES:
-        mapper = add_mlp(mapper, source, target, calib, mode=MLP_MODES[s.mapper], progress=dist.rank() == 0,
-                         checkpoint=out / f"mlp-{name}", key=short_id(key))
+                                 plain=s.plain, mlp_checkpoint=out / f"mlp-{name}", mlp_key=short_id(key))
+    mapper, report = calibrate(source, target, calib, s.scope, s.k, s.lam, mapper=s.mapper, options=options)
     mapper.meta["fit_s"] = time.time() - t0                       # statistics, selection, ridge (and MLP) on this run
     used = mapper.to(dtype=dtype)                                   # the mapper as evaluation and the bench use it
     mapper.meta["diagnostics"] = diagnose(source, target, used, calib.diag, plain=s.plain)  # a region no choice saw
