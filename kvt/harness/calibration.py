@@ -13,7 +13,8 @@ ridge.fit_layers, mapper.from_fits), so both give the same mapper (tests/test_ma
     group's fits saved as it is done;
   - a custom layer-selection rule (`select`), and the attention-weighted fit (harness/attnfit.py);
   - the MLP backstop (add_mlp), trained on sampled features, each MLP checkpointed;
-  - the fingerprints of the pair's weights in the mapper, checked against the models it meets.
+  - the fingerprints of the pair's weights in the mapper (weights.weights_meta, as kvt/calibrate.py's), checked
+    against the models it meets (weights.check_pair_weights).
 """
 import math
 import os
@@ -33,7 +34,7 @@ from kvt.harness.files import load_fits, load_mlp_checkpoint, load_stats, save_f
 from kvt.harness.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
 from kvt.mapper import flat, from_fits, unflat
 from kvt.stats import KINDS, SPLITS, candidate_layers, groups, layers_used, new_stats
-from kvt.weights import comparable, model_fingerprint
+from kvt.weights import check_pair_weights, weights_meta  # noqa: F401 (check_pair_weights: still imported from here)
 
 SAVE_S = 600.0     # seconds between statistics checkpoints: a pass of a large pair is tens of GiB to write
 
@@ -376,28 +377,3 @@ def _mlp_data(mapper, kind, l, xs, ys, mode):
     if mode == "residual":
         y = y - mapper.map_layer(kind, l, list(xs.unbind(2)))
     return flat(xs[:, :, mapper.layers[kind][l]]), y.transpose(0, 1).reshape(y.shape[1], -1)
-
-
-# ---- the weights a mapper was fitted on ----------------------------------------------------------------
-
-def weights_meta(source, target):
-    """What calibrate records of its pair's weights (meta["src_weights"], meta["tgt_weights"]): their
-    fingerprints (weights.weights_fingerprint), which check_pair_weights compares with the models it meets."""
-    return {"src_weights": model_fingerprint(source), "tgt_weights": model_fingerprint(target)}
-
-
-def check_pair_weights(mapper, source, target, name="the mapper"):
-    """Refuse, in one line naming the side, models whose weights are not those the mapper was fitted on:
-    one config fits a base and its instruct model, a model and its fine-tune, a function-preserving twin,
-    and the configs' fingerprints tell none of them apart. source, target: kvt or transformers models
-    (None: not checked). A mapper that records no fingerprints (an older file) is not checked here;
-    files.load_mapper said so when it read it."""
-    for side, model, entry in (("source", source, "src_weights"), ("target", target, "tgt_weights")):
-        made = mapper.meta.get(entry)
-        if model is None or not comparable(made):
-            continue
-        have = model_fingerprint(model)
-        if have != made:
-            raise KvtError(f"{name} was fitted on other {side} weights (fingerprint {made}, this {side}'s {have}; one "
-                           "config, other weights: a base and an instruct model, a fine-tune, or source and target "
-                           f"swapped?); pass the {side} it was fitted on, or calibrate a mapper for these models")
