@@ -26,6 +26,7 @@ from kvt.config import check_matched_kv, matched_kv
 from kvt.mapper import from_fits
 from kvt.mlp import add_mlp
 from kvt.stats import KINDS, accumulate, candidate_layers, layers_used, new_stats
+from kvt.weights import weights_meta
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         # 4. ridge per target layer and kind, at the lambda with the best validation R^2
         fits = (run.fit or fit)(stats, selected, lams, skipped["fit"])
     meta = {"k": k, "calib_sequences": len(calib.fit), "calib_len": calib.fit.shape[1], "calib": calib.hash(),
-            **ridge.skipped_meta(skipped)}
+            **weights_meta(source, target), **ridge.skipped_meta(skipped)}   # the pair's weights, checked where it meets models
     out, report = from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta)
     if mapper != "ridge":                              # the MLP backstop on the selected layers
         out = add_mlp(out, source, target, calib, mapper, train_mlp=run.train_mlp, progress=run.progress)

@@ -9,7 +9,9 @@ does not, is an error naming it, except the parts kvt knowingly leaves aside (`L
 """
 import hashlib
 import json
+import math
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,9 +68,16 @@ def file_sha256(file):
 
 
 # ---- the weights a KV cache depends on, fingerprinted (a mapper records its pair's) --------------------
+#
+# Two ids of the same tensors. The digest ("d1:"), every value of every tensor, is what binds a mapper to
+# its pair: taken where the values are read anyway (load_weights, as it copies them in) and kept on the
+# model with each tensor's stamp, so a model is hashed once, and again only where a tensor was replaced or
+# written in place. The sampled id ("w2:"), 8 values a row, is the cheap one, for where only a sample can
+# be afforded (a KV file's header names its engine's weights by it; bench checks a mapper's pair by it).
 
 KV_TENSORS = ("embed_tokens.weight", "layers.")  # under the decoder: what shapes the cache (not the final norm, nor the head)
-SCHEME = "w2"          # prefixes every id, "w2:<16 hex>"; w1 (unprefixed, kvt 0.2.0): 4 rows x 16 columns a tensor
+SCHEME = "w2"          # prefixes every sampled id, "w2:<16 hex>"; w1 (unprefixed, kvt 0.2.0): 4 rows x 16 columns a tensor
+DIGEST = "d1"          # prefixes every digest, "d1:<16 hex>": every value
 SAMPLE_COLS = 8        # of each matrix: every row, at its 8 middle columns (one cache line a row: cheap in memory)
 ROW_BLOCK = 1 << 24    # values read at a time from a checkpoint's tensor (64 MB in float32)
 FP16_NORMAL = 2.0 ** -14                         # the smallest normal float16
@@ -77,9 +86,16 @@ FP16_NORMAL = 2.0 ** -14                         # the smallest normal float16
 def _decoder_name(name):
     """The decoder-relative name of a tensor ("layers.0.self_attn.k_proj.weight"), whatever prefix the
     checkpoint (LAYOUTS), kvt ("model.") or transformers gives it; None for tensors the cache does not read."""
-    prefixes = sorted({p for layouts in LAYOUTS.values() for p, _ in layouts} | {"model."}, key=len, reverse=True)
-    rest = next((name[len(p):] for p in prefixes if name.startswith(p)), None)
+    rest = next((name[len(p):] for p in PREFIXES if name.startswith(p)), None)
     return rest if rest is not None and rest.startswith(KV_TENSORS) else None
+
+
+def _canonical(x):
+    """x's values as both ids hash them, in bfloat16: rounded to it, magnitudes below float16's smallest
+    normal as 0. A bf16 checkpoint gives the same values loaded in float32, bfloat16 or float16, a float32
+    one in float32 or bfloat16 (float16 rounds it differently)."""
+    x = x.detach().to(torch.bfloat16)
+    return torch.where(x.abs() < FP16_NORMAL, 0.0, x) + 0.0            # + 0.0: -0.0 hashes as 0.0
 
 
 def _samples(t, shape):
@@ -95,49 +111,198 @@ def _samples(t, shape):
         yield t[r:r + step, c0:c0 + SAMPLE_COLS]                      # (step, SAMPLE_COLS)
 
 
+def _rows(t, shape):
+    """One tensor (a parameter or a safetensors slice of shape `shape`) whole, in blocks of ROW_BLOCK values."""
+    step = max(1, ROW_BLOCK // math.prod(shape[1:]))
+    for r in range(0, shape[0], step):
+        yield t[r:r + step]
+
+
 @torch.no_grad()
 def weights_fingerprint(named):
-    """A short id, "w2:<16 hex>", of the weights a KV cache depends on, from {name: tensor or
+    """The sampled id, "w2:<16 hex>", of the weights a KV cache depends on, from {name: tensor or
     safetensors slice}: the same for a checkpoint folder (folder_fingerprint) and for a model loaded
     from it (model_fingerprint), kvt's or transformers'. Tensors in the order of their decoder-relative
     names; of each matrix every row at its 8 middle columns, 1-D ones whole: an edit of one row changes
     the id, and a check reads a few values a row (SmolLM2-135M: 1.7M, 30 ms on a CPU core; Qwen3-14B
-    shapes: 18M, 0.7 s). Values are hashed rounded to bfloat16, with magnitudes below float16's smallest
-    normal as 0: a bf16 checkpoint gives one id loaded in float32, bfloat16 or float16, a float32 one in
-    float32 or bfloat16 (float16 rounds it differently). Two trainings of one config (a base and its
-    instruct model, a fine-tune, a function-preserving twin) get different ids."""
+    shapes: 18M, 0.7 s); an edit of a few values elsewhere does not (the digest sees it). Values as
+    _canonical reads them. Two trainings of one config (a base and its instruct model, a fine-tune, a
+    function-preserving twin) get different ids."""
     h = hashlib.sha256()
     for key, name in sorted((k, n) for n in named if (k := _decoder_name(n)) is not None):
         t = named[name]
         shape = tuple(t.get_shape() if hasattr(t, "get_shape") else t.shape)
         h.update(f"{key} {shape}".encode())
         for x in _samples(t, shape):
-            x = x.float().cpu().to(torch.bfloat16).float()
-            x = torch.where(x.abs() < FP16_NORMAL, 0.0, x) + 0.0          # + 0.0: -0.0 hashes as 0.0
-            h.update(x.numpy().tobytes())
+            h.update(_canonical(x.cpu()).float().numpy().tobytes())
     return f"{SCHEME}:{h.hexdigest()[:16]}"
 
 
-def comparable(recorded):
-    """Can a fingerprint a mapper recorded be compared with weights_fingerprint's? Not one of an older
-    scheme (w1, unprefixed: it would differ for the very weights it was taken of) nor a missing one."""
-    return isinstance(recorded, str) and recorded.startswith(f"{SCHEME}:")
+def tensor_digest(blocks):
+    """The sha256 (hex) of one tensor's values as _canonical reads them (2 bytes a value), from its blocks
+    of whole rows in order: any block size gives the same digest."""
+    h = hashlib.sha256()
+    for x in blocks:
+        _hash(h, x)
+    return h.hexdigest()
+
+
+def _hash(h, x):
+    h.update(_canonical(x).cpu().contiguous().view(torch.int16).numpy())   # bfloat16's 2 bytes a value
+
+
+def weights_digest(digests):
+    """The digest, "d1:<16 hex>", of the weights a KV cache depends on, from {decoder-relative name:
+    (shape, tensor_digest)}: every value of every tensor, so an edit of any one changes it."""
+    h = hashlib.sha256()
+    for key in sorted(digests):
+        shape, digest = digests[key]
+        h.update(f"{key} {tuple(shape)} {digest}\n".encode())
+    return f"{DIGEST}:{h.hexdigest()[:16]}"
+
+
+def comparable(recorded, scheme=SCHEME):
+    """Can an id a mapper recorded be compared with this kvt's ids of `scheme` (SCHEME, DIGEST)? Not one of
+    an older scheme (w1, unprefixed: it would differ for the very weights it was taken of) nor a missing one."""
+    return isinstance(recorded, str) and recorded.startswith(f"{scheme}:")
+
+
+def _slices(path):
+    """{name: safetensors slice} of a checkpoint folder's decoder tensors."""
+    files = shard_files(path)
+    handles = {f: _open(f) for f in set(files.values())}
+    return {name: handles[f].get_slice(name) for name, f in files.items() if _decoder_name(name) is not None}
 
 
 def folder_fingerprint(path):
     """weights_fingerprint of a checkpoint folder, read through its safetensors headers and memory map:
     8 values a row, a block of rows at a time (from a cold disk, that is a page a row: most of the file)."""
-    files = shard_files(path)
-    handles = {f: _open(f) for f in set(files.values())}
     try:
-        return weights_fingerprint({name: handles[f].get_slice(name) for name, f in files.items()})
+        return weights_fingerprint(_slices(path))
     except (SafetensorError, OSError) as e:
         raise KvtError(f"{path}: cannot read its weights ({e}); the file is truncated, download it again")
 
 
+@torch.no_grad()
+def folder_digest(path):
+    """weights_digest of a checkpoint folder: every value of its decoder tensors, read through the memory
+    map a block of rows at a time (the serving connector's, of the folder its engine loads)."""
+    try:
+        return weights_digest({_decoder_name(name): (tuple(s.get_shape()), tensor_digest(_rows(s, s.get_shape())))
+                               for name, s in _slices(path).items()})
+    except (SafetensorError, OSError) as e:
+        raise KvtError(f"{path}: cannot read its weights ({e}); the file is truncated, download it again")
+
+
+def _stamp(p):
+    """What says a tensor still holds the values it held when hashed: its storage address and version
+    counter (torch counts every in-place write: copy_, add_, an indexed assignment, load_state_dict), dtype
+    and shape. Writes behind torch's back (through .data, or a numpy view) are not counted. None for an
+    inference tensor (made under torch.inference_mode), which has no version counter."""
+    try:
+        return p.data_ptr(), p._version, p.dtype, tuple(p.shape)
+    except RuntimeError:
+        return None
+
+
+def _kept(model, what, stamp, compute):
+    """compute(), or what it gave for `what` when its stamp was this one: kept on the model, in
+    model.kvt_weights ({what: (stamp, value)}), so a model's tensors are hashed once while they hold."""
+    kept = model.__dict__.setdefault("kvt_weights", {})
+    if stamp is None or kept.get(what, (None,))[0] != stamp:
+        kept[what] = (stamp, compute())
+    return kept[what][1]
+
+
+def _decoder_tensors(model):
+    return [(name, p) for name, p in model.named_parameters() if _decoder_name(name) is not None]
+
+
+@torch.no_grad()
+def model_digest(model):
+    """weights_digest of a loaded model's parameters (a kvt model, or a transformers one). Each tensor is
+    hashed once: load_weights hashes it as it copies it in; a transformers model's, at its first check.
+    A tensor replaced (model.to, place) or written in place since is hashed again (its _stamp changed)."""
+    return weights_digest({_decoder_name(name): (tuple(p.shape), _kept(model, name, _stamp(p),
+                                                                       lambda p=p: tensor_digest(_rows(p, p.shape))))
+                           for name, p in _decoder_tensors(model)})
+
+
 def model_fingerprint(model):
-    """weights_fingerprint of a loaded model's parameters: a kvt model, or a transformers one."""
-    return weights_fingerprint(dict(model.named_parameters()))
+    """weights_fingerprint of a loaded model's parameters (a kvt model, or a transformers one), kept on the
+    model while its tensors' stamps hold."""
+    tensors = _decoder_tensors(model)
+    stamps = tuple(_stamp(p) for _, p in tensors)
+    return _kept(model, "sampled id", None if None in stamps else stamps, lambda: weights_fingerprint(dict(tensors)))
+
+
+# ---- a mapper bound to its pair's weights ---------------------------------------------------------------
+
+def weights_meta(source, target):
+    """What every mapper kvt fits records of its pair's weights: their digests (src_digest, tgt_digest: every
+    value) and sampled ids (src_weights, tgt_weights), which check_pair_weights compares with the models it meets."""
+    return {"src_weights": model_fingerprint(source), "tgt_weights": model_fingerprint(target),
+            "src_digest": model_digest(source), "tgt_digest": model_digest(target)}
+
+
+SIDES = {"source": ("src_digest", "src_weights"), "target": ("tgt_digest", "tgt_weights")}
+
+
+def other_weights(meta, side, digest, fingerprint):
+    """(recorded, this) ids of the `side` ("source", "target") weights where a mapper (its meta) was fitted
+    on others than those whose digest and sampled id are given (digest: a function giving it; fingerprint:
+    likewise, asked only of a mapper without digests); None where they agree or nothing is recorded. The
+    digests are compared where the mapper records them, else the sampled ids (unchecked() says so)."""
+    d, w = SIDES[side]
+    if comparable(meta.get(d), DIGEST):
+        made, have = meta[d], digest()
+    elif comparable(meta.get(w)):
+        made, have = meta[w], fingerprint()
+    else:
+        return None
+    return None if made == have else (made, have)
+
+
+def unchecked(meta):
+    """What a mapper (its meta) leaves unchecked of its pair's weights, or None: nothing (a mapper built by
+    hand, or a file older than the fingerprints), or every value but a sample (a file older than the digests).
+    bench.random_mapper's (meta "random") is bound to no weights by design: nothing to say."""
+    if "random" in meta or all(comparable(meta.get(SIDES[side][0]), DIGEST) for side in SIDES):
+        return None
+    if all(comparable(meta.get(SIDES[side][1])) for side in SIDES):
+        return ("records only sampled fingerprints of its pair's weights (a file older than kvt's digests), so an "
+                "edit of a few values cannot be checked; calibrate again to have every value checked")
+    if any(isinstance(meta.get(SIDES[side][1]), str) for side in SIDES):
+        return ("records an older fingerprint of its pair's weights (kvt 0.2.0's, of 4 rows a tensor), so they "
+                "cannot be checked; calibrate again to have them checked")
+    return ("records no fingerprints of its pair's weights (a mapper built by hand, or a file older than them), "
+            "so they cannot be checked; fit it with kvt.calibrate.calibrate or run.py to have them checked")
+
+
+def warn_unchecked(mapper, name="the mapper"):
+    """Print unchecked()'s line, once per mapper and its copies (meta["unchecked_warned"])."""
+    why = unchecked(mapper.meta)
+    if why and not mapper.meta.get("unchecked_warned"):
+        print(f"warning: {name} {why}", file=sys.stderr)
+        mapper.meta["unchecked_warned"] = True
+
+
+def check_pair_weights(mapper, source, target, name="the mapper"):
+    """Refuse, in one line naming the side, models whose weights are not those the mapper was fitted on:
+    one config fits a base and its instruct model, a model and its fine-tune, a function-preserving twin,
+    and the configs' fingerprints tell none of them apart. source, target: kvt or transformers models
+    (None: not checked). Compares every value (model_digest: hashed once a model, so a check per request
+    costs a walk over its parameters); a mapper that records less is checked on what it records, with a
+    one-line warning once (warn_unchecked)."""
+    for side, model in (("source", source), ("target", target)):
+        other = model is not None and other_weights(mapper.meta, side, lambda: model_digest(model), lambda: model_fingerprint(model))
+        if other:
+            raise KvtError(f"{name} was fitted on other {side} weights (fingerprint {other[0]}, this {side}'s "
+                           f"{other[1]}; one config, other weights: a base and an instruct model, a fine-tune, or "
+                           f"source and target swapped?); pass the {side} it was fitted on, or calibrate a mapper "
+                           "for these models")
+    if source is not None or target is not None:
+        warn_unchecked(mapper, name)
 
 
 def _open(file):
@@ -161,6 +326,9 @@ LAYOUTS = {  # cfg.prefix -> the (decoder prefix, lm_head name) pairs a checkpoi
 }
 
 
+PREFIXES = sorted({p for layouts in LAYOUTS.values() for p, _ in layouts} | {"model."}, key=len, reverse=True)
+
+
 def checkpoint_names(cfg, name):
     """kvt parameter name -> the checkpoint tensor names it may be stored under."""
     if name == "lm_head.weight":  # a tied head split from its embedding is loaded from the embedding
@@ -169,13 +337,17 @@ def checkpoint_names(cfg, name):
     return [prefix + name.removeprefix("model.") for prefix, _ in LAYOUTS[cfg.prefix]]
 
 
-def _copy_in_chunks(param, src, chunk_bytes=8 << 20):
+def _copy_in_chunks(param, src, digest=None, chunk_bytes=8 << 20):
     """param <- src (a safetensors slice), a block of rows at a time: no full-size temporary is held.
-    Returns False if a value is NaN or infinite (a damaged file: no trained weight is)."""
+    digest: a hashlib object, fed each block's values as the model now holds them (tensor_digest's bytes)
+    while the block is in cache. Returns False if a value is NaN or infinite (a damaged file: no trained
+    weight is)."""
     step, finite = max(1, chunk_bytes // (param[0].numel() * 4)), True
     for i in range(0, param.shape[0], step):
         block = param[i:i + step].copy_(src[i:i + step])
         finite = finite and bool(block.sum().isfinite())  # NaN and inf survive a sum; checked while in cache
+        if digest is not None:
+            _hash(digest, block)
     return finite
 
 
@@ -249,14 +421,20 @@ def check_checkpoint(model, path):
 
 @torch.no_grad()
 def load_weights(model, path):
-    """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens)."""
+    """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens),
+    hashing each decoder tensor's values on the way (model_digest's, kept on the model: the digest a
+    mapper's check then reads without reading the weights again)."""
+    kept = model.__dict__.setdefault("kvt_weights", {})
     for name, (handle, key) in check_checkpoint(model, path).items():
+        p, digest = model.get_parameter(name), hashlib.sha256() if _decoder_name(name) else None
         try:
-            finite = _copy_in_chunks(model.get_parameter(name), handle.get_slice(key))
+            finite = _copy_in_chunks(p, handle.get_slice(key), digest)
         except (SafetensorError, OSError) as e:
             raise KvtError(f"{path}: cannot read {key} ({e}); the file is truncated, download it again")
         if not finite:
             raise KvtError(f"{path}: {key} holds NaN or infinite values; the file is damaged, download it again")
+        if digest is not None:
+            kept[name] = (_stamp(p), digest.hexdigest())
 
 
 def write_safetensors(tensors, path, metadata=None):

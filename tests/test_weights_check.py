@@ -221,17 +221,19 @@ def test_pipeline_checks_a_reused_mapper_against_the_models(fitted, tmp_path):
         pipeline.get_mapper(args, t, s, tok, None, tmp_path, skey, torch.float32)
 
 
-@pytest.mark.parametrize("older", ["no fingerprints", "4-row fingerprints"])
+@pytest.mark.parametrize("older", ["no fingerprints", "4-row fingerprints", "sampled ids only"])
 def test_an_older_mapper_loads_with_one_warning(fitted, tmp_path, capsys, older):
-    """A mapper file from before weights fingerprints, or from before they saw every row (unprefixed, 4
-    rows of each tensor: they differ for the very weights they were taken of), loads with one line saying
-    its weights cannot be checked, and is then not checked. Guards refusing every older file as fitted on
-    "other weights", or loading it silently."""
+    """A mapper file from before weights fingerprints, from before they saw every row (unprefixed, 4
+    rows of each tensor: they differ for the very weights they were taken of), or from before the digests
+    (sampled ids only), loads with one line saying what cannot be checked, and is then checked on what it
+    records, without a second line. Guards refusing every older file as fitted on "other weights", or
+    loading it silently."""
     s, t, _, path = fitted
     t_ = load_file(str(path))
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
-    inner = {k: v for k, v in json.loads(meta["meta"]).items() if k not in ("src_weights", "tgt_weights")}
+    drop = ("src_digest", "tgt_digest") + (("src_weights", "tgt_weights") if older != "sampled ids only" else ())
+    inner = {k: v for k, v in json.loads(meta["meta"]).items() if k not in drop}
     if older == "4-row fingerprints":
         inner |= {"src_weights": "fd237113d9c5a28e", "tgt_weights": "08e229d748a6c3b1"}
     write_safetensors(t_, tmp_path / "old.safetensors", {**meta, "meta": json.dumps(inner)})
@@ -240,7 +242,12 @@ def test_an_older_mapper_loads_with_one_warning(fitted, tmp_path, capsys, older)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: mapper") and "cannot be checked" in err[0], err
     assert ("older fingerprint" in err[0]) == (older == "4-row fingerprints"), err
-    check_pair_weights(old, s, t)                                               # nothing to check against
-    check_pair_weights(old, t, s)
+    assert ("a few values" in err[0]) == (older == "sampled ids only"), err
+    check_pair_weights(old, s, t)
+    if older == "sampled ids only":                                             # the sampled ids still tell them apart
+        with pytest.raises(KvtError, match=r"^the mapper was fitted on other source weights \(fingerprint w2:"):
+            check_pair_weights(old, t, s)
+    else:
+        check_pair_weights(old, t, s)                                           # nothing to check against
     load_mapper(path)
     assert not capsys.readouterr().err, "a mapper with fingerprints warned"

@@ -45,11 +45,11 @@ from kvt.config import KvtError, at_least, command, parse_pair, plain_requested,
 from kvt.harness.dist import check_devices
 from kvt.fast import keep_freed_memory, map_cache
 from kvt.handoff import Recompute, take_over
-from kvt.harness.calibration import check_pair_weights
 from kvt.mapper import Mapper
 from kvt.loading import build_model, layer_devices
 from kvt.harness.plan import forward_flops, n_params, transfer_flops
 from kvt.stats import KINDS, groups
+from kvt.weights import check_pair_weights
 
 
 def last_step_bytes(cfg, T, itemsize):
@@ -113,7 +113,7 @@ def random_mapper(src_cfg, tgt_cfg, scope="layer", k=8, dtype=torch.float32, dev
     W = torch.randn(tgt_cfg.n_layers, G, k * Bx, By, generator=g) / (k * Bx) ** 0.5  # (Lt, G, k*Bx, By)
     b = bias * torch.randn(tgt_cfg.n_layers, G, By, generator=g)
     m = Mapper(scope, src_cfg, tgt_cfg, {kind: layers for kind in KINDS}, {kind: W for kind in KINDS},
-               {kind: b for kind in KINDS})
+               {kind: b for kind in KINDS}, meta={"random": seed})   # bound to no weights: not checked
     return m._with(lambda x: x.to(device, dtype) if x.is_floating_point() else x)  # selections stay on the
     # host, as a fitted mapper's do: apply reads them with .tolist(), a host sync per read if on a GPU
 

@@ -13,7 +13,8 @@ run through, so both give the same mapper (tests/test_mapper.py). What the hooks
     fits saved as it is done (saved_fits);
   - a custom layer-selection rule (`select`), and the attention-weighted fit (harness/attnfit.py);
   - each MLP of the backstop saved as it finishes (saved_mlps);
-  - the fingerprints of the pair's weights in the mapper, checked against the models it meets.
+  - the fingerprints of the pair's weights in the mapper (weights.weights_meta, as kvt/calibrate.py's), checked
+    against the models it meets (weights.check_pair_weights).
 """
 import math
 import os
@@ -33,7 +34,7 @@ from kvt.harness import attnfit, dist
 from kvt.harness.files import load_fits, load_mlp_checkpoint, load_stats, save_fits, save_mlp_checkpoint, save_stats, short_id
 from kvt.harness.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
 from kvt.stats import KINDS, SPLITS, candidate_layers, groups, layers_used, new_stats
-from kvt.weights import comparable, model_fingerprint
+from kvt.weights import check_pair_weights  # noqa: F401 (still imported from here)
 
 SAVE_S = 600.0     # seconds between statistics checkpoints: a pass of a large pair is tens of GiB to write
 
@@ -181,7 +182,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
        mapper="mlp" or "ridge+mlp", the MLPs, each saved as it finishes (saved_mlps).
     Data parallel under torchrun: every rank calls this with the same calib and gets the same mapper.
     Returns (mapper, report) as kvt.calibrate.calibrate does; the mapper's meta also records the
-    tokenizer, the source KV's range (source_range) and the pair's weight fingerprints (weights_meta)."""
+    tokenizer and the source KV's range (source_range)."""
     o, src_cfg, tgt_cfg = options, source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
     if o.weights not in ("uniform", "attention"):
@@ -196,7 +197,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     seen = {}                                          # what the hooks meet on the way: the source's range, alphas
     out, report = kvt.calibrate.calibrate(source, target, calib, scope, k, lam, batch_size, mapper, o.plain,
                                           long_run(source, target, calib, k, batch_size, o, seen))
-    out.meta.update(tokenizer=o.tokenizer, src_range=seen["src_range"], **weights_meta(source, target))
+    out.meta.update(tokenizer=o.tokenizer, src_range=seen["src_range"])
     if "alpha" in seen:
         out.meta.update(weights="attention", alpha=seen["alpha"])     # per target layer, per head
     if "lambda_skipped" in out.meta and dist.rank() == 0:
@@ -322,28 +323,3 @@ def saved_mlps(checkpoint, key="", progress=True):
             print(f"mlp {kind} layer {l}: validation loss {loss:.4f} (fraction of variance left)")
         return p, loss
     return train_mlp
-
-
-# ---- the weights a mapper was fitted on ----------------------------------------------------------------
-
-def weights_meta(source, target):
-    """What calibrate records of its pair's weights (meta["src_weights"], meta["tgt_weights"]): their
-    fingerprints (weights.weights_fingerprint), which check_pair_weights compares with the models it meets."""
-    return {"src_weights": model_fingerprint(source), "tgt_weights": model_fingerprint(target)}
-
-
-def check_pair_weights(mapper, source, target, name="the mapper"):
-    """Refuse, in one line naming the side, models whose weights are not those the mapper was fitted on:
-    one config fits a base and its instruct model, a model and its fine-tune, a function-preserving twin,
-    and the configs' fingerprints tell none of them apart. source, target: kvt or transformers models
-    (None: not checked). A mapper that records no fingerprints (an older file) is not checked here;
-    files.load_mapper said so when it read it."""
-    for side, model, entry in (("source", source, "src_weights"), ("target", target, "tgt_weights")):
-        made = mapper.meta.get(entry)
-        if model is None or not comparable(made):
-            continue
-        have = model_fingerprint(model)
-        if have != made:
-            raise KvtError(f"{name} was fitted on other {side} weights (fingerprint {made}, this {side}'s {have}; one "
-                           "config, other weights: a base and an instruct model, a fine-tune, or source and target "
-                           f"swapped?); pass the {side} it was fitted on, or calibrate a mapper for these models")

@@ -27,7 +27,7 @@ from kvt.config import Config, KvtError
 from kvt.fast import mirror_
 from kvt.mapper import Mapper
 from kvt.stats import FIELDS, KINDS, SPLITS, Stats, Sums, check_finite
-from kvt.weights import comparable, write_safetensors
+from kvt.weights import unchecked, write_safetensors
 
 
 def short_id(obj):
@@ -196,13 +196,11 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
     if tokenizer and meta["tokenizer"] and tokenizer != meta["tokenizer"]:
         raise KvtError(f"mapper {path} was fitted with another tokenizer ({meta['tokenizer']}, this one "
                        f"{tokenizer}); recalibrate for this pair")
-    recorded = [json.loads(meta["meta"]).get(entry) for entry in ("src_weights", "tgt_weights")]
-    if not all(map(comparable, recorded)):
-        what = ("no fingerprint of its pair's weights (an older kvt made it)" if None in recorded else
-                "an older fingerprint of its pair's weights (kvt 0.2.0's, of 4 rows a tensor)")
-        print(f"warning: mapper {path} records {what}, so they cannot be checked; calibrate again to have "
-              "them checked", file=sys.stderr)
-    made_from = json.loads(meta["meta"]).get("key")
+    inner = json.loads(meta["meta"])
+    if unchecked(inner):                           # said once, here: check_pair_weights does not say it again
+        print(f"warning: mapper {path} {unchecked(inner)}", file=sys.stderr)
+        inner["unchecked_warned"] = True
+    made_from = inner.get("key")
     if key is not None and made_from != key:
         raise KvtError(f"mapper {path} was made from other weights, data or settings ({made_from}, not {key}); "
                        "delete it to calibrate again")
@@ -213,7 +211,7 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
     return Mapper(meta["scope"], Config(**json.loads(meta["src_config"])), Config(**json.loads(meta["tgt_config"])),
                   {kind: t[f"{kind}.layers"] for kind in KINDS}, {kind: t[f"{kind}.W"] for kind in KINDS},
                   {kind: t[f"{kind}.b"] for kind in KINDS}, {k: v for k, v in mlp.items() if v}, form,
-                  json.loads(meta["meta"]))
+                  inner)
 
 
 # ---- a cache as a file: what a serving engine saves for another to load (kvt/integrations/serving.py) -----
@@ -221,15 +219,15 @@ def load_mapper(path, src_cfg=None, tgt_cfg=None, tokenizer=None, dtype=torch.fl
 KV_FORMAT = "kvt-kv-1"
 
 
-def save_kv(path, cache, ids, model_fingerprint, tokenizer_fingerprint, weights_fingerprint=None):
+def save_kv(path, cache, ids, model_fingerprint, tokenizer_fingerprint, weights_fingerprint=None, weights_digest=None):
     """Write a batch-1 Cache of T slots (keys after RoPE, positions 0..T-1) and its T token ids (list of
     int) as safetensors, atomically, with the source model's config, tokenizer and weights fingerprints
-    (weights.folder_fingerprint or model_fingerprint; a target's connector maps only a file whose weights
-    are the mapper's source's)."""
+    (weights.folder_fingerprint or model_fingerprint, and the digest of every value: folder_digest or
+    model_digest; a target's connector maps only a file whose weights are the mapper's source's)."""
     tensors = {"ids": torch.tensor(ids, dtype=torch.long), "positions": cache.positions[0].cpu().contiguous()}
     for l, (k, v) in enumerate(zip(cache.keys, cache.values)):
         tensors[f"k.{l}"], tensors[f"v.{l}"] = k[0].cpu().contiguous(), v[0].cpu().contiguous()  # (Hkv, T, D)
-    weights = {"weights": weights_fingerprint} if weights_fingerprint else {}
+    weights = {k: v for k, v in (("weights", weights_fingerprint), ("digest", weights_digest)) if v}
     write_safetensors(tensors, path, {"format": KV_FORMAT, "model": model_fingerprint,
                                       "tokenizer": tokenizer_fingerprint, "layers": str(len(cache.keys)), **weights})
 

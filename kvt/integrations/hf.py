@@ -27,9 +27,9 @@ import torch
 from kvt import fast
 from kvt.cache import Cache
 from kvt.config import KvtError, config_from_dict
-from kvt.harness.calibration import check_pair_weights
 from kvt.mapper import Mapper
 from kvt.model import check_ids
+from kvt.weights import check_pair_weights
 
 try:
     from transformers import DynamicCache
@@ -75,7 +75,7 @@ def kvt_config(model):
 
 def check_pair(source, target, mapper):
     """The transformers models must be the pair the mapper was fitted for, in config and in weights
-    (harness.calibration.check_pair_weights); else one line saying which differs."""
+    (weights.check_pair_weights: every value, hashed once a model); else one line saying which differs."""
     for what, model, cfg in (("source", source, mapper.src_cfg), ("target", target, mapper.tgt_cfg)):
         have = kvt_config(model).fingerprint()
         if have != cfg.fingerprint():

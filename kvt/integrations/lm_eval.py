@@ -53,10 +53,10 @@ from kvt.harness import dist, evals, pipeline, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair, plain_requested
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
-from kvt.harness.calibration import check_pair_weights
 from kvt.harness.files import load_mapper
 from kvt.loading import layer_devices
 from kvt.harness.summary import average_retention, summarize
+from kvt.weights import check_pair_weights
 
 try:
     from lm_eval.api.model import LM

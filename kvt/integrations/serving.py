@@ -50,7 +50,7 @@ from kvt.harness.calibration import check_range
 from kvt.harness.diagnose import gate
 from kvt.harness.files import kv_header, load_kv, load_mapper, save_kv
 from kvt.tokenizer import load_tokenizer
-from kvt.weights import comparable, file_sha256, folder_fingerprint
+from kvt.weights import DIGEST, SIDES, comparable, file_sha256, folder_digest, folder_fingerprint, other_weights
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -177,7 +177,8 @@ class KvtConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         folder = vllm_config.model_config.model
         self.cfg, self.tokenizer = load_config(folder), load_tokenizer(folder).fingerprint()
-        self.weights = folder_fingerprint(folder)                          # what a KV file or a mapper is bound to
+        self.weights = folder_fingerprint(folder)                          # what a KV file or a mapper is bound to:
+        self.digest = folder_digest(folder)                                # every value, read once an engine
         self.block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
         self.layout = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
@@ -212,12 +213,13 @@ class KvtConnector(KVConnectorBase_V1):
 
     def unfit_because(self, meta, thresholds):
         """Why no request may be served with this mapper on this engine, or None."""
-        made = meta.get("tgt_weights")
-        if not (comparable(made) and comparable(meta.get("src_weights"))):
-            return "the mapper records no fingerprints of its pair's weights (an older kvt made it); calibrate again"
-        if made != self.weights:
-            return (f"this engine's weights (fingerprint {self.weights}) are not those the mapper was fitted on "
-                    f"({made}): a fine-tune or another model of the same config")
+        if not all(comparable(meta.get(d), DIGEST) or comparable(meta.get(w)) for d, w in SIDES.values()):
+            return ("the mapper records no fingerprints of its pair's weights (an older kvt made it, or it was built "
+                    "by hand); calibrate again")
+        other = other_weights(meta, "target", lambda: self.digest, lambda: self.weights)   # digests, else sampled ids
+        if other:
+            return (f"this engine's weights (fingerprint {other[1]}) are not those the mapper was fitted on "
+                    f"({other[0]}): a fine-tune or another model of the same config")
         if meta.get("src_range") is None:
             return "the mapper records no range of its source's KV (an older kvt made it); calibrate again"
         if meta.get("diagnostics") is None:
@@ -252,9 +254,10 @@ class KvtConnector(KVConnectorBase_V1):
         if meta.get("model") != self.mapper.src_cfg.fingerprint():
             return 0, (f"{path} was saved by another model (fingerprint {meta.get('model')}) than the mapper's source "
                        f"({self.mapper.src_cfg.fingerprint()})")
-        if meta.get("weights") != self.mapper.meta["src_weights"]:
-            return 0, (f"{path} was saved by an engine whose weights (fingerprint {meta.get('weights')}) are not the "
-                       f"mapper's source's ({self.mapper.meta['src_weights']})")
+        other = other_weights(self.mapper.meta, "source", lambda: meta.get("digest"), lambda: meta.get("weights"))
+        if other:
+            return 0, (f"{path} was saved by an engine whose weights (fingerprint {other[1] or 'none recorded'}) are "
+                       f"not the mapper's source's ({other[0]})")
         if meta.get("tokenizer") != self.tokenizer:
             return 0, f"{path} was saved with another tokenizer ({meta.get('tokenizer')}, this engine {self.tokenizer})"
         if ids.shape[0] < T - 1 or ids[:T - 1].tolist() != list(request.prompt_token_ids[:T - 1]):
@@ -358,4 +361,4 @@ class KvtConnector(KVConnectorBase_V1):
             T = len(save.ids)
             cache = Cache([layers[l][0][None] for l in sorted(layers)], [layers[l][1][None] for l in sorted(layers)],
                           torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool), full=True)
-            save_kv(save.path, cache, save.ids, self.cfg.fingerprint(), self.tokenizer, self.weights)
+            save_kv(save.path, cache, save.ids, self.cfg.fingerprint(), self.tokenizer, self.weights, self.digest)
