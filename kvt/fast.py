@@ -168,6 +168,15 @@ CHUNK = 256        # features per row chunk of the upper part of xx
 FLUSH = 8192       # tokens of products held in the products' dtype before they are added to the sums
 
 
+def path_line(plain=False):
+    """The line run.py prints first and report.md keeps: which path ran, the fast twins or the plain one."""
+    if plain:
+        return ("path: plain (--plain): every step runs the reading order's own functions (Sums.add_, Mapper.apply, "
+                "Cache.update and Cache.attend, model.generate); no twin of kvt/fast.py runs")
+    return ("path: fast twins (kvt/fast.py, each tested equal to its plain function): fast.add_batches for Sums.add_, "
+            "fast.apply for Mapper.apply, a reserved cache for Cache.update; --plain runs the reading order's own")
+
+
 def adder(plain=False):
     """How calibration adds its batches to the statistics: stats.add_batches (float64 products) when
     plain, else its twin add_batches."""

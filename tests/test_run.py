@@ -165,9 +165,78 @@ def test_recompute_budgets_keep_their_own_records(pair, tmp_path):
     assert "recompute (kvt's option)" in (tmp_path / "report.md").read_text()
 
 
-@pytest.mark.parametrize("how", ["--plain", "KVT_PLAIN=1"])
+@contextlib.contextmanager
+def calls(functions):
+    """Count the calls of each function (name -> function) while inside, wherever it was imported to:
+    sys.setprofile sees every Python frame by its code object (by identity: a copy of the same source
+    is another function), whatever name the caller had for it."""
+    import inspect
+    import sys
+    codes = {id(inspect.unwrap(f).__code__): name for name, f in functions.items()}   # the functions stay alive
+    counts = dict.fromkeys(functions, 0)
+
+    def seen(frame, event, arg):
+        if event == "call" and id(frame.f_code) in codes:
+            counts[codes[id(frame.f_code)]] += 1
+    sys.setprofile(seen)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(None)
+
+
+def reading_order():
+    """The functions of README's reading order that a run.py run of the method needs, by name."""
+    from kvt import cache, calibrate, capture, handoff, mapper, model, ridge, rope, stats
+    return {"calibrate": calibrate.calibrate, "Sums.add_": stats.Sums.add_, "pick_layers": ridge.pick_layers,
+            "fit_layers": ridge.fit_layers, "from_fits": mapper.from_fits, "Mapper.apply": mapper.Mapper.apply,
+            "handoff": handoff.handoff, "take_over": handoff.take_over, "Cache.update": cache.Cache.update,
+            "Cache.attend": cache.Cache.attend, "rope.strip": rope.strip, "rope.rotate": rope.rotate,
+            "capture": capture.capture, "generate": model.generate}
+
+
+def fast_twins():
+    from kvt import fast
+    return {"fast.add_batches": fast.add_batches, "Pending.add_": fast.Pending.add_, "fast.apply": fast.apply,
+            "fast.map_layer": fast.map_layer, "fast.reserve": fast.reserve, "Reserved.update": fast.Reserved.update}
+
+
+def test_plain_runs_the_reading_order_and_says_so(pair, tmp_path, capsys):
+    """run.py --plain calls every function of README's reading order that the method needs (the core's
+    calibrate, Sums.add_, Mapper.apply, handoff, ...: the functions tutorial.md and the course teach) and
+    no fast twin of kvt/fast.py; its first line and report.md name the plain path. Guards: run.py running a
+    second calibration of its own (harness/calibration.py's used to: the core's calibrate ran 0 times), a
+    fast twin standing in for Sums.add_ or Mapper.apply under --plain, a run that does not say which ran."""
+    argv = ["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path / "o")] + ARGS
+    argv[argv.index("toy_recall,toy_count")] = "toy_recall,toy_recall_gen"       # a generating task: decoding too
+    capsys.readouterr()
+    with calls({**reading_order(), **fast_twins()}) as n:
+        run.main(argv + ["--plain"])
+    ran = {name: n[name] for name in reading_order()}
+    assert all(ran.values()), f"functions of the reading order --plain never called: {ran}"
+    assert not any(n[name] for name in fast_twins()), f"fast twins under --plain: { {t: n[t] for t in fast_twins()} }"
+    assert capsys.readouterr().out.startswith("path: plain (--plain)"), "run.py's first line does not name the path"
+    assert "path: plain (--plain)" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_the_default_run_calls_the_core_calibrate_and_says_fast(pair, tmp_path, capsys):
+    """The default run.py calibrates through kvt/calibrate.py's calibrate (once per mapper) and the handoff
+    through kvt/handoff.py, with the fast twins in the inner loops, and says so first and in report.md.
+    Guards: the command's calibration drifting back into a copy of the steps the core does not run."""
+    argv = ["--source", str(pair / "source"), "--target", str(pair / "twin"), "--out", str(tmp_path / "o")] + ARGS
+    argv[argv.index("toy_recall,toy_count")], argv[argv.index("12")] = "toy_recall", "4"   # the calibration counts
+    capsys.readouterr()
+    with calls({**reading_order(), **fast_twins()}) as n:
+        run.main(argv)
+    assert n["calibrate"] == 1 and n["handoff"] > 0 and n["fast.apply"] > 0 and n["Pending.add_"] > 0, n
+    assert n["Sums.add_"] == 0 and n["Mapper.apply"] == 0, n
+    assert capsys.readouterr().out.startswith("path: fast twins"), "run.py's first line does not name the path"
+    assert "path: fast twins" in (tmp_path / "o" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("how", ["KVT_PLAIN=1"])   # --plain: test_plain_runs_the_reading_order_and_says_so
 def test_plain_runs_no_fast_twin(pair, tmp_path, monkeypatch, how):
-    """--plain (or KVT_PLAIN=1) runs every step's plain path: calibration, diagnostics, handoff and
+    """KVT_PLAIN=1 (as --plain) runs every step's plain path: calibration, diagnostics, handoff and
     decoding never reach a fast twin of kvt/fast.py (its switches, map_cache and generate, take the plain
     functions). Guards: the switch dropped on its way to a step (it used to be an environment variable
     each step read; now it is an argument run passes on)."""

@@ -641,6 +641,7 @@ def main(argv=None):
     """Run everything (see the module docstring); returns the results dict. A run that fails leaves no
     empty output folder behind (a folder with a checkpoint in it stays: the rerun resumes from it)."""
     s = Settings.from_args(parse_args(argv))
+    print(fast.path_line(s.plain))               # which functions run: the fast twins or the reading order's own
     fast.keep_freed_memory()                     # process-wide: glibc keeps freed blocks for the next cache
     src_dir, tgt_dir, src_name, tgt_name = resolve(s)
     out = s.out or Path("runs") / f"{src_name}_{tgt_name}"
@@ -920,7 +921,7 @@ def header_lines(s, o):
             + (f" (of {s.k} asked; the source has {mapper.src_cfg.n_layers} layers)" if k != s.k else "")
             + f", {mapper.n_params():,} parameters ({mapper.nbytes() / 2**20:.1f} MiB); calibration {len(calib.fit)} x "
             f"{s.calib_len} tokens (validation {len(calib.val)}, diagnostics {len(calib.diag)} sequences)",
-            f"lambda (on standardized features): {lambda_summary(mapper.meta)}",
+            f"lambda (on standardized features): {lambda_summary(mapper.meta)}", fast.path_line(s.plain),
             *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
                f"{recompute.first} and {100 * recompute.frac:g}% "
                f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
