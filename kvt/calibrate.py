@@ -8,15 +8,12 @@
 2. Per target layer and kind (K, V), select the k source layers whose single-layer fit has the best
    validation R^2 (ridge.pick_layers).
 3. In layer scope on a matched pair, a second pass: layer-level sums of only the selected layers.
-4. Ridge per target layer and kind (ridge.fit_layers), lambda picked from ridge.LAMBDAS on validation
-   unless one is given; the fits stacked into a Mapper (mapper.from_fits). With mapper="mlp", the
-   paper's MLP backstop replaces ridge on the selected layers (mlp.add_mlp; "ridge+mlp": kvt's
-   residual MLP on top of ridge).
+4. Ridge per target layer and kind (ridge.fit_layers), lambda picked on validation unless one is given,
+   stacked into a Mapper (mapper.from_fits); mapper="mlp": the paper's MLP backstop instead, on the
+   same layers (mlp.add_mlp).
 
-Statistics go through the fast adder unless plain=True (fast.adder: centered float32 products, or
-float64 ones). `run` is what a long run passes in around these steps (Run: checkpoints and resume,
-data parallelism, memory-bounded passes, attention weights): run.py's is built by
-kvt/harness/calibration.py; the defaults are the plain steps in one process.
+Statistics go through the fast adder unless plain=True (fast.adder). `run` holds what a long run passes
+in (checkpoints, resume, data parallelism, bounded memory): run.py's comes from kvt/harness/calibration.py.
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -25,21 +22,21 @@ from kvt import fast, ridge
 from kvt.config import check_matched_kv, matched_kv
 from kvt.mapper import from_fits
 from kvt.mlp import add_mlp
-from kvt.stats import KINDS, accumulate, candidate_layers, layers_used, new_stats
+from kvt.stats import KINDS, accumulate, layers_used, new_stats
 from kvt.weights import weights_meta
 
 
 @dataclass(frozen=True)
 class Run:
-    """What a long run passes in; each None is the plain step. The hooks return what the step would."""
+    """What a long run passes in; each None is the plain step. A hook returns what its step would."""
     sums: Callable = None      # (name "pass1"/"pass2", scope, src_layers, tgt_layers) -> Stats summed over calib
-    candidates: int = None     # source layers to select from, spread evenly (stats.candidate_layers; None: all)
+    candidates: list = None    # the source layers to select from (None: all)
     select: Callable = None    # a layer-selection rule (stats, kind, k, lams) -> (Lt, k), instead of the paper's
     groups: Callable = None    # selected -> lists of target layers, one layer-level pass each (None: one pass)
-    fitted: Callable = None    # (selected, targets, lams, fit) -> fit() or the fits a run saved of it
+    fitted: Callable = None    # (selected, targets, lams, fit) -> fit(), or the fits a run saved of it
     fit: Callable = None       # step 4 from the first pass: (stats, selected, lams, skipped) -> fits
     train_mlp: Callable = None  # (kind, l, train) -> train() or the MLP a run saved: (params, loss)
-    progress: bool = False     # progress bars
+    progress: bool = False
 
 
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, mapper="ridge", plain=False,
@@ -50,11 +47,11 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     single-layer fit, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the ridge fits."""
     src_cfg, tgt_cfg = source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
-    matched, lams, candidates = matched_kv(src_cfg, tgt_cfg), ridge.lambdas(lam), candidate_layers(src_cfg.n_layers,
-                                                                                                   run.candidates)
-    k, skipped, device = min(k, len(candidates)), ridge.no_skips(), next(source.parameters()).device
+    matched, lams, device = matched_kv(src_cfg, tgt_cfg), ridge.lambdas(lam), next(source.parameters()).device
+    candidates = run.candidates or list(range(src_cfg.n_layers))
+    k, skipped = min(k, len(candidates)), {step: {kind: {} for kind in KINDS} for step in ("select", "fit")}
 
-    def sums(name, scope_, src_layers=None, tgt_layers=None):    # zero statistics, streamed full over calib
+    def sums(name, scope_, src_layers, tgt_layers=None):     # zero statistics, streamed full over calib
         if run.sums:
             return run.sums(name, scope_, src_layers, tgt_layers)
         stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device=device)
@@ -85,7 +82,9 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         # 4. ridge per target layer and kind, at the lambda with the best validation R^2
         fits = (run.fit or fit)(stats, selected, lams, skipped["fit"])
     meta = {"k": k, "calib_sequences": len(calib.fit), "calib_len": calib.fit.shape[1], "calib": calib.hash(),
-            **weights_meta(source, target), **ridge.skipped_meta(skipped)}   # the pair's weights, checked where it meets models
+            **weights_meta(source, target)}              # the pair's weights, checked where the mapper meets models
+    if any(by for step in skipped.values() for by in step.values()):
+        meta["lambda_skipped"] = skipped               # lambdas singular somewhere, skipped there
     out, report = from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta)
     if mapper != "ridge":                              # the MLP backstop on the selected layers
         out = add_mlp(out, source, target, calib, mapper, train_mlp=run.train_mlp, progress=run.progress)

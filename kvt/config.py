@@ -16,6 +16,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 
 class KvtError(Exception):
     """A problem the user can fix; run.py prints it as one line and exits with code 2."""
@@ -386,3 +388,41 @@ def check_matched_kv(src, tgt, scope="head"):
         raise KvtError(f"not a matched-KV pair: source has {src.n_kv_heads} KV heads x {src.head_dim}, target "
                        f"{tgt.n_kv_heads} x {tgt.head_dim}; use --scope layer, which maps across shapes")
 
+
+# ---- a model's input (model.Transformer.forward checks it) -------------------------------------------------
+
+def check_input(cfg, ids, cache=None):
+    """Token ids (B, T) and the cache they continue from must suit a model of Config cfg: check_ids
+    (the ids' values, a device sync, at prefill only) and check_cache; else a KvtError."""
+    check_ids(ids, cfg.vocab_size, values=cache is None or not len(cache))
+    if cache is not None:
+        check_cache(cache, cfg, ids.shape[0])
+
+
+def check_ids(ids, vocab_size, values=True):
+    """Token ids must be a (B, T) integer tensor with B, T >= 1 and (values=True) every id in the
+    vocabulary; else a KvtError that says what to pass."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8):
+        what = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise KvtError(f"input_ids must be integer token ids (a torch.long tensor), not {what}")
+    if ids.dim() != 2 or 0 in ids.shape:
+        raise KvtError(f"input_ids must have shape (batch, tokens), both at least 1, not {tuple(ids.shape)}; "
+                       "for one sequence pass ids[None]")
+    if values:
+        lo, hi = ids.min().item(), ids.max().item()
+        if lo < 0 or hi >= vocab_size:
+            raise KvtError(f"token id {hi if hi >= vocab_size else lo} is outside the model's vocabulary of "
+                           f"{vocab_size}; encode with this model's tokenizer")
+
+
+def check_cache(cache, cfg, batch):
+    """A cache to continue from must come from a model of this shape (layers, KV heads, head dim) and
+    hold as many rows as the input; else a KvtError that says what differs."""
+    have = next((k for k in cache.keys if k is not None), None)
+    shape = None if have is None else (have.shape[1], have.shape[3])
+    if len(cache.keys) != cfg.n_layers or (shape is not None and shape != (cfg.n_kv_heads, cfg.head_dim)):
+        raise KvtError(f"the cache has {len(cache.keys)} layers" + (f" of {shape[0]} KV heads x {shape[1]}" if shape else "")
+                       + f", this model {cfg.n_layers} of {cfg.n_kv_heads} x {cfg.head_dim}; map it with a mapper "
+                       "made for this pair (kvt.mapper) before continuing from it")
+    if cache.positions.shape[0] != batch:
+        raise KvtError(f"the cache holds {cache.positions.shape[0]} rows, the input {batch}; pass one row per cached sequence")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvt import rope
 from kvt.cache import empty
-from kvt.config import Config, KvtError
+from kvt.config import Config, KvtError, check_input
 
 
 class RMSNorm(nn.Module):
@@ -117,12 +117,9 @@ class Transformer(nn.Module):
         memory, as a mapped one does), and each attends to the cache's slots up to its own, the others
         as cached (selective recompute, handoff.py).
         Returns logits (B, T, V) (or (B, 1, V)) and a new Cache holding the old slots plus these T."""
-        prefill = cache is None or not len(cache)
-        check_ids(input_ids, self.config.vocab_size, values=prefill)  # the values (a device sync) at prefill only
+        check_input(self.config, input_ids, cache)    # ids, and a cache of this model's shape (config.py)
         B, T = input_ids.shape
         dev = input_ids.device
-        if cache is not None:
-            check_cache(cache, self.config, B)
         cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
         mask_given, mask = mask, mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
         if slots is not None:
@@ -176,35 +173,6 @@ class Transformer(nn.Module):
         cache.queries = qs if queries else None
         x = self.model.norm(x[:, -1:] if last else x).to(self.lm_head.weight.device)
         return self.lm_head(x)                                     # logits (B, T, V)
-
-
-def check_ids(ids, vocab_size, values=True):
-    """Token ids must be a (B, T) integer tensor with B, T >= 1 and (values=True) every id in the
-    vocabulary; else a KvtError that says what to pass."""
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8):
-        what = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise KvtError(f"input_ids must be integer token ids (a torch.long tensor), not {what}")
-    if ids.dim() != 2 or 0 in ids.shape:
-        raise KvtError(f"input_ids must have shape (batch, tokens), both at least 1, not {tuple(ids.shape)}; "
-                       "for one sequence pass ids[None]")
-    if values:
-        lo, hi = ids.min().item(), ids.max().item()
-        if lo < 0 or hi >= vocab_size:
-            raise KvtError(f"token id {hi if hi >= vocab_size else lo} is outside the model's vocabulary of "
-                           f"{vocab_size}; encode with this model's tokenizer")
-
-
-def check_cache(cache, cfg, batch):
-    """A cache to continue from must come from a model of this shape (layers, KV heads, head dim) and
-    hold as many rows as the input; else a KvtError that says what differs."""
-    have = next((k for k in cache.keys if k is not None), None)
-    shape = None if have is None else (have.shape[1], have.shape[3])
-    if len(cache.keys) != cfg.n_layers or (shape is not None and shape != (cfg.n_kv_heads, cfg.head_dim)):
-        raise KvtError(f"the cache has {len(cache.keys)} layers" + (f" of {shape[0]} KV heads x {shape[1]}" if shape else "")
-                       + f", this model {cfg.n_layers} of {cfg.n_kv_heads} x {cfg.head_dim}; map it with a mapper "
-                       "made for this pair (kvt.mapper) before continuing from it")
-    if cache.positions.shape[0] != batch:
-        raise KvtError(f"the cache holds {cache.positions.shape[0]} rows, the input {batch}; pass one row per cached sequence")
 
 
 @torch.no_grad()

@@ -36,11 +36,6 @@ def lambdas(lam=None):
     return LAMBDAS if lam is None else (lam,)
 
 
-def no_skips():
-    """Where calibration lists the lambdas it skipped as singular: {step: {kind: {layer: [lambdas]}}}."""
-    return {"select": {kind: {} for kind in KINDS}, "fit": {kind: {} for kind in KINDS}}
-
-
 def eigen(s):
     """The fit of Sums s, ready for any lambda: (e (G, F), Q (G, F, F), A = Q^T S^-1 C_xy (G, F, O),
     1/std (G, F), mx (G, F), my (G, O)); see the module docstring."""
@@ -66,17 +61,18 @@ def weights(eig, lam):
     return W, b
 
 
-def solvable(eig, lams):
-    """(the lambdas of lams at which eigen()'s system can be solved (every e + lam > 0), those at which it
-    cannot): a rank-deficient R has eigenvalues at zero, and rounding can put some a hair below it, so
-    the smallest lambdas may fail where the larger ones are fine."""
+def solvable(eig, lams, what, skipped=None, at=None):
+    """The lambdas of lams at which eigen()'s system can be solved (every e + lam > 0): a rank-deficient R
+    has eigenvalues at zero, rounding can put some a hair below, so the smallest lambdas may fail where
+    the larger ones are fine. The others are listed in skipped[at] (when given); none left is an error."""
     low = eig[0].min().item()
-    return [lam for lam in lams if low + lam > 0], [lam for lam in lams if low + lam <= 0]
-
-
-def unsolvable(what, lams):
-    return KvtError(f"ridge system of {what} is singular at every lambda ({', '.join(f'{lam:g}' for lam in lams)}); "
-                    "use a larger --lam or calibrate on more tokens")
+    good, bad = [lam for lam in lams if low + lam > 0], [lam for lam in lams if low + lam <= 0]
+    if not good:
+        raise KvtError(f"ridge system of {what} is singular at every lambda ({', '.join(f'{lam:g}' for lam in lams)}); "
+                       "use a larger --lam or calibrate on more tokens")
+    if bad and skipped is not None:
+        skipped[at] = bad
+    return good
 
 
 def solve(s, lam):
@@ -116,11 +112,7 @@ def single_layer_r2(stats, kind, lams=LAMBDAS, skipped=None):
     for i in range(len(stats.src_layers)):
         fi = blocks([i], stats.bx).to(fit.xx.device)
         eig, v = eigen(fit.select(fi)), val.select(fi)              # all target layers at once
-        good, bad = solvable(eig, lams)
-        if not good:
-            raise unsolvable(f"source layer {stats.src_layers[i]}", lams)
-        if bad and skipped is not None:
-            skipped[stats.src_layers[i]] = bad
+        good = solvable(eig, lams, f"source layer {stats.src_layers[i]}", skipped, stats.src_layers[i])
         err = torch.stack([sse(v, *weights(eig, lam)).view(G, Lt, by).sum((0, 2)) for lam in good])  # (lams, Lt)
         r2[i] = (1 - err.amin(0) / total).cpu()
     return r2
@@ -132,16 +124,10 @@ def select_layers(r2, src_layers, k):
     return torch.tensor(src_layers)[top].sort(dim=1).values
 
 
-def skipped_meta(skipped):
-    """{"lambda_skipped": skipped} when a lambda was skipped anywhere (no_skips()'s form), else {}: what a
-    mapper's meta records of it."""
-    return {"lambda_skipped": skipped} if any(by for step in skipped.values() for by in step.values()) else {}
-
-
 def pick_layers(stats, k, lams=LAMBDAS, skipped=None):
     """Step 2 of calibration, per kind: (r2 {kind: (Ls, Lt) single_layer_r2}, selected {kind: (Lt, k) the
     k source layers of stats.src_layers with the best validation R^2 per target layer, select_layers});
-    skipped: no_skips()["select"] or None."""
+    skipped: {kind: {}} or None, for the lambdas skipped as singular."""
     r2 = {kind: single_layer_r2(stats, kind, lams, skipped and skipped[kind]) for kind in KINDS}
     return r2, {kind: select_layers(r2[kind], stats.src_layers, k) for kind in KINDS}
 
@@ -173,13 +159,8 @@ def best_lambda(eig, val, lams, t, skipped=None):
     """(validation error, lambda, W, b) of the solvable lambda with the smallest error on the validation
     sums val (ties keep the smaller lambda), from one eigendecomposition of target layer t's fit sums;
     refuses a layer no lambda solves, and records the lambdas skipped in skipped[t]."""
-    good, bad = solvable(eig, lams)
-    if not good:
-        raise unsolvable(f"target layer {t}", lams)
-    if bad and skipped is not None:
-        skipped[t] = bad
     best = None
-    for lam in good:
+    for lam in solvable(eig, lams, f"target layer {t}", skipped, t):
         W, b = weights(eig, lam)
         err = sse(val, W, b).sum().item()
         if best is None or err < best[0]:

@@ -22,7 +22,7 @@ kept as separate sums; layer selection and lambda are chosen on "val". Diagnosti
 that never reaches the statistics. (Checkpoints, resume and data parallelism are the run harness's:
 kvt/harness/calibration.py.)
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -93,43 +93,19 @@ class Stats:
     bx: int               # features per source layer per group: D (head scope) or Hkv*D (layer scope)
     by: int               # outputs per target layer per group
     sums: dict            # "k.fit", "k.val", "v.fit", "v.val" -> Sums
-    seen: int = 0         # calibration sequences accumulated so far, fit then validation (the resume point)
-    data: str = ""        # data.Calibration.hash() of the sequences these sums are over
-    key: str = ""         # what the caller made them for (pair, settings); a checkpoint must match it
-    meta: dict = field(default_factory=dict)
-
-    def __add__(self, other):
-        return Stats(self.scope, self.src_layers, self.tgt_layers, self.bx, self.by,
-                     {name: s + other.sums[name] for name, s in self.sums.items()},
-                     self.seen + other.seen, self.data, self.key)
 
     def part(self, kind, split):
         return self.sums[f"{kind}.{split}"]
 
-    def plan(self):
-        """What the sums cover (a checkpoint for another plan is refused)."""
-        return {"scope": self.scope, "src_layers": list(self.src_layers), "tgt_layers": list(self.tgt_layers),
-                "bx": self.bx, "by": self.by}
 
-
-def new_stats(src_cfg, tgt_cfg, scope, src_layers=None, tgt_layers=None, device=None, dtype=torch.float64, key=""):
+def new_stats(src_cfg, tgt_cfg, scope, src_layers=None, tgt_layers=None, device=None, dtype=torch.float64):
     """Zero statistics for a pair; src_layers and tgt_layers default to every layer of each model."""
     src_layers = list(range(src_cfg.n_layers)) if src_layers is None else sorted(src_layers)
     tgt_layers = list(range(tgt_cfg.n_layers)) if tgt_layers is None else sorted(tgt_layers)
     G, bx, by = groups(src_cfg, tgt_cfg, scope)
     F, O = len(src_layers) * bx, len(tgt_layers) * by
     sums = {f"{k}.{s}": Sums.zeros(G, F, O, device, dtype) for k in KINDS for s in SPLITS}
-    return Stats(scope, src_layers, tgt_layers, bx, by, sums, key=key)
-
-
-def candidate_layers(n_layers, count=None):
-    """`count` source layers spread evenly from the first to the last (all of them when count is None):
-    fewer candidates for layer selection make smaller statistics."""
-    if count is None or count >= n_layers:
-        return list(range(n_layers))
-    if count < 2:
-        raise KvtError(f"--candidates {count}: layer selection needs at least 2 candidate source layers")
-    return [i * (n_layers - 1) // (count - 1) for i in range(count)]
+    return Stats(scope, src_layers, tgt_layers, bx, by, sums)
 
 
 def layers_used(selected, targets=None):

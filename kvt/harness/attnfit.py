@@ -46,7 +46,8 @@ from kvt import rope
 from kvt.capture import features, layer_features
 from kvt.config import KvtError, check_matched_kv
 from kvt.ridge import LAMBDAS, _check_val, best_lambda, eigen, sse, sst
-from kvt.stats import KINDS, SPLITS, Stats, Sums, blocks, groups
+from kvt.harness.files import Resumable
+from kvt.stats import KINDS, SPLITS, Sums, blocks, groups
 
 BOUNDARIES = 32  # prefix lengths per calibration sequence at which the target's query is taken
 
@@ -103,7 +104,7 @@ def new_weighted_stats(src_cfg, tgt_cfg, selected, device=None, key=""):
         s.n = torch.zeros(Lt * G, dtype=torch.float64, device=device)      # sum r^2 per group
         sums[name] = s
     src = sorted({l for kind in KINDS for l in selected[kind].flatten().tolist()})
-    return Stats("head", src, list(range(Lt)), bx, by, sums, key=key,
+    return Resumable("head", src, list(range(Lt)), bx, by, sums, key=key,
                  meta={"selected": {kind: selected[kind].tolist() for kind in KINDS}})
 
 

@@ -31,9 +31,9 @@ from kvt import fast
 from kvt.capture import capture
 from kvt.config import KvtError, check_matched_kv
 from kvt.harness import attnfit, dist
-from kvt.harness.files import load_fits, load_mlp_checkpoint, load_stats, save_fits, save_mlp_checkpoint, save_stats, short_id
-from kvt.harness.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
-from kvt.stats import KINDS, SPLITS, candidate_layers, groups, layers_used, new_stats
+from kvt.harness.files import resumable, load_fits, load_mlp_checkpoint, load_stats, save_fits, save_mlp_checkpoint, save_stats, short_id
+from kvt.harness.plan import candidate_layers, describe_plan, layer_group_bound, memory_plan, sums_bytes
+from kvt.stats import KINDS, SPLITS, groups, layers_used, new_stats
 from kvt.weights import check_pair_weights  # noqa: F401 (still imported from here)
 
 SAVE_S = 600.0     # seconds between statistics checkpoints: a pass of a large pair is tens of GiB to write
@@ -80,6 +80,7 @@ def accumulate_resumable(source, target, calib, stats, batch_size=1, path=None, 
     process's up to float32 rounding. The invariant: the ranks' sums add up to the statistics of the
     first stats.seen sequences (what stats held on entry counts once, on rank 0). A checkpoint holds
     those totals and a resume point between rounds, so it resumes with any number of ranks. Returns stats."""
+    stats = resumable(stats)                            # with a resume point, and what the sums are for
     if path and Path(path).exists():
         load_stats(path, like=stats)                    # into stats' own tensors: no second copy
     stats.data = stats.data or calib.hash()
@@ -216,7 +217,7 @@ def long_run(source, target, calib, k, batch_size, options, seen):
     def sums(name, scope, src_layers, tgt_layers):
         if name == "pass2":
             name = f"pass2-{short_id([list(src_layers), list(tgt_layers)])}"   # named by what it sums
-        stats = new_stats(src_cfg, tgt_cfg, scope, src_layers, tgt_layers, device, o.stats_dtype, o.key)
+        stats = resumable(new_stats(src_cfg, tgt_cfg, scope, src_layers, tgt_layers, device, o.stats_dtype), o.key)
         stats = accumulate_resumable(source, target, calib, stats, batch_size, o.checkpoint and f"{o.checkpoint}.{name}",
                                      save_s=o.save_s, final=o.keep_stats or name == "pass1", progress=o.progress,
                                      add=fast.adder(o.plain))
@@ -232,7 +233,7 @@ def long_run(source, target, calib, k, batch_size, options, seen):
     _, bx, by = groups(src_cfg, tgt_cfg, "layer")
     bound = layer_group_bound(src_cfg, tgt_cfg, k, o.group, o.candidates)
     return kvt.calibrate.Run(
-        sums=sums, candidates=o.candidates, select=o.select, groups=lambda selected: target_groups(selected, bx, by, bound),
+        sums=sums, candidates=candidate_layers(src_cfg.n_layers, o.candidates), select=o.select, groups=lambda selected: target_groups(selected, bx, by, bound),
         fitted=saved_fits(o.checkpoint, o.key, o.keep_stats), fit=weighted if o.weights == "attention" else None,
         train_mlp=saved_mlps(o.mlp_checkpoint, o.mlp_key, o.progress and dist.rank() == 0), progress=o.progress)
 

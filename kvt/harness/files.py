@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -83,6 +83,28 @@ def load(path, format, what, fix, key=None, device="cpu", other="another pair or
 STATS_FORMAT = "kvt-stats-2"  # 2: fit/val regions of disjoint documents, target-layer lists, centered products
 
 
+@dataclass
+class Resumable(Stats):
+    """Statistics as a long run checkpoints them (accumulate_resumable): the sums, their resume point and
+    what they are for."""
+    seen: int = 0         # calibration sequences accumulated so far, fit then validation (the resume point)
+    data: str = ""        # data.Calibration.hash() of the sequences these sums are over
+    key: str = ""         # what the caller made them for (pair, settings); a checkpoint must match it
+    meta: dict = field(default_factory=dict)
+
+    def plan(self):
+        """What the sums cover (a checkpoint for another plan is refused)."""
+        return {"scope": self.scope, "src_layers": list(self.src_layers), "tgt_layers": list(self.tgt_layers),
+                "bx": self.bx, "by": self.by}
+
+
+def resumable(stats, key=""):
+    """stats (a stats.Stats) as a Resumable marked with key, sharing its tensors; a Resumable as it is."""
+    if isinstance(stats, Resumable):
+        return stats
+    return Resumable(**{f.name: getattr(stats, f.name) for f in fields(Stats)}, key=key)
+
+
 def save_stats(stats, path):
     """Write stats (stats.Stats) to a safetensors file atomically (save)."""
     check_finite(stats)
@@ -104,7 +126,7 @@ def load_stats(path, like=None, device=None):
         plan = json.loads(meta["plan"])
         if like is None:
             sums = {name: Sums(*(f.get_tensor(f"{name}.{fld}") for fld in FIELDS)) for name in names}
-            stats = Stats(plan["scope"], plan["src_layers"], plan["tgt_layers"], plan["bx"], plan["by"], sums)
+            stats = Resumable(plan["scope"], plan["src_layers"], plan["tgt_layers"], plan["bx"], plan["by"], sums)
         else:
             if plan != like.plan():
                 raise KvtError(f"statistics checkpoint {path} is for another calibration plan ({plan}, not "

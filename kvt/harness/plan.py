@@ -52,7 +52,7 @@ import torch
 from kvt.config import KvtError, at_least, check_matched_kv, command, matched_kv, parse_pair, shape
 from kvt.fast import holds
 from kvt.loading import layer_device
-from kvt.stats import candidate_layers, groups
+from kvt.stats import groups
 
 GPUS = {"h100": 81559 * 2**20, "h200": 143771 * 2**20}  # total memory of an 80 GB H100 and of an H200 (nvidia-smi)
 USABLE = 0.92                                            # of each device; the rest: CUDA context, cuBLAS and
@@ -110,6 +110,16 @@ class Plan:
         """{device: bytes}: the weights plus the largest phase on that device."""
         return {d: self.total("weights", d) + max((self.total(ph, d) for ph in self.phases()), default=0)
                 for d in self.devices}
+
+
+def candidate_layers(n_layers, count=None):
+    """`count` source layers spread evenly from the first to the last (all of them when count is None):
+    fewer candidates for layer selection make smaller statistics."""
+    if count is None or count >= n_layers:
+        return list(range(n_layers))
+    if count < 2:
+        raise KvtError(f"--candidates {count}: layer selection needs at least 2 candidate source layers")
+    return [i * (n_layers - 1) // (count - 1) for i in range(count)]
 
 
 def canonical(device):

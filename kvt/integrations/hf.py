@@ -28,7 +28,7 @@ from kvt import fast
 from kvt.cache import Cache
 from kvt.config import KvtError, config_from_dict
 from kvt.mapper import Mapper
-from kvt.model import check_ids
+from kvt.config import check_ids
 from kvt.weights import check_pair_weights
 
 try:
