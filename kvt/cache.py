@@ -1,22 +1,15 @@
 """The KV cache: plain data, passed in and out of the model, never hidden inside it.
 
-For every layer l it holds keys[l] and values[l] of shape (B, Hkv, T, D). Keys are stored AFTER RoPE,
-as a serving engine stores them, so each key carries its position; `positions` records those
-positions and `mask` which slots hold real tokens (False marks left padding). A transfer produces
-exactly this object for the target model, which then simply continues from it. kvt's model stores
-each layer head by head, contiguous (B, Hkv, T, D), the order in which the mapper reads it.
+For every layer l it holds keys[l] and values[l] of shape (B, Hkv, T, D), each head contiguous, the
+order the mapper reads. Keys are stored AFTER RoPE, as a serving engine stores them, so each key
+carries its position; `positions` records those positions and `mask` which slots hold real tokens
+(False marks left padding). A transfer produces exactly this object for the target model.
 
-The cache owns its writes and the attention over them. A forward step asks for the cache it will
-return (grow: the new slots' positions and mask), and each attention layer hands it that step's keys
-and values (update): they follow the cached ones (torch.cat: new tensors, so the cache the step
-started from is left as it was), or, for a recompute, replace the cached ones at given slots in place;
-then the layer's queries attend over them (attend: torch's scaled dot-product attention). select,
-expand and crop return caches whose tensors are views of this one's: scoring n continuations of one
-context, or a prefix of a longer cache, costs no copy. (kvt/fast.py's Reserved is a cache that owns
-free slots after its last one and appends there in place, as gpt-fast does, and attends one query in
-float32 matmuls.)
-
-A cache as a file (save_kv, load_kv, for a serving engine's connector) is kvt/harness/files.py's.
+The cache owns its writes and the attention over them: a forward step asks for the cache it will
+return (grow), each attention layer hands it that step's keys and values (update: torch.cat after the
+cached ones, so the cache the step started from is left as it was; or, for a recompute, in place at
+given slots) and attends over them (attend). select, expand and crop return views: no copy.
+(kvt/fast.py's Reserved appends in place into free slots it owns, as gpt-fast does.)
 """
 from dataclasses import dataclass, replace
 

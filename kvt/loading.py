@@ -1,10 +1,12 @@
 """Loading a checkpoint into the decoder (model.py), random weights of a named shape, and placing a model's
-layers across devices.
+layers across devices; a mapper's weights moved and placed (MapperWeights).
 
     model = load_model("weights/qwen3-0.6b", dtype="bfloat16")     # config.json + safetensors, checked first
     model = build_model("qwen3-0.6b")                              # random weights of the real shape
     place(model, ["cuda:0", "cuda:1"])                             # contiguous layers per device
 """
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 
@@ -105,3 +107,59 @@ def place(model, devices):
 def layer_devices(model):
     """The device of every layer."""
     return [block.input_layernorm.weight.device for block in model.model.layers]
+
+
+class MapperWeights:
+    """The plumbing kvt.mapper.Mapper inherits, beside its method (Mapper.apply): its tensors by the names
+    they have in a file, copies moved (to) or placed across devices (place), its size."""
+
+    def n_params(self):
+        return sum(t.numel() for t in self._floats())
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self._floats())
+
+    def _floats(self):
+        """Every floating-point weight tensor (per layer once placed)."""
+        for t in self.tensors().values():
+            yield from [x for x in (t if isinstance(t, list) else [t]) if x.is_floating_point()]
+
+    def tensors(self):
+        """Every tensor, by the name it has in a saved file (per-layer lists once placed; .to() stacks them)."""
+        out = {}
+        for kind in self.layers:                       # "k", "v"
+            out.update({f"{kind}.layers": self.layers[kind], f"{kind}.W": self.W[kind], f"{kind}.b": self.b[kind]})
+            out.update({f"{kind}.mlp.{name}": w for name, w in self.mlp.get(kind, {}).items()})
+        return out
+
+    def to(self, device=None, dtype=None):
+        """A copy with weights on device / in dtype (selections stay integer); a placed mapper is
+        gathered back into stacked tensors (on device, or the device of its first layer)."""
+        def move(x):
+            if isinstance(x, list):
+                x = torch.stack([w.to(device or x[0].device) for w in x])
+            return x.to(device=device, dtype=dtype if x.is_floating_point() else None)
+        return self._with(move)
+
+    def place(self, devices):
+        """A copy with the weights for target layer l on devices[l] (pass layer_devices(target)), so
+        that apply maps each target layer where the target keeps it."""
+        assert len(devices) == self.tgt_cfg.n_layers, "one device per target layer"
+        def split(x):
+            return x if not x.is_floating_point() else [x[l].to(d) for l, d in enumerate(devices)]
+        return self.to()._with(split)
+
+    @property
+    def placed(self):
+        return isinstance(self.W["k"], list)
+
+    def devices(self, default="cpu"):
+        """The device of each target layer's weights: a list once placed, else [default] * Lt."""
+        W = self.W["k"]
+        return [w.device for w in W] if self.placed else [torch.device(default)] * self.tgt_cfg.n_layers
+
+    def _with(self, fn):
+        """A copy with fn applied to every tensor (selections, weights, MLP weights)."""
+        return replace(self, layers={k: fn(v) for k, v in self.layers.items()}, W={k: fn(v) for k, v in self.W.items()},
+                       b={k: fn(v) for k, v in self.b.items()}, meta=dict(self.meta),
+                       mlp={k: {n: fn(w) for n, w in p.items()} for k, p in self.mlp.items()})

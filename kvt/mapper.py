@@ -1,23 +1,17 @@
-"""The Mapper: per target layer, a linear map (plus optional MLP) from selected source layers' KV to its KV.
+"""The Mapper: per target layer, a linear map (or the MLP) from selected source layers' KV to its KV.
 
     mapper, report = calibrate(source, target, calib)    # kvt/calibrate.py: statistics -> selection -> ridge
-    mapper = mapper.place(layer_devices(target))         # each target layer's weights where the target keeps it
     tgt_cache = mapper.apply(src_cache)                  # strip source RoPE, map, apply target RoPE
 
 For target layer t and kind K (or V), with sel = the k selected source layers (layout in capture.py):
     x = source KV of layers sel, RoPE stripped        (G, N, k * Bx)
     y = x @ W[t] + b[t]                               (G, N, By)   batched over groups
 then y is laid back out as (B, Hkv, T, D) and, for keys, rotated by the target's RoPE at the target
-positions: Mapper.apply, in float32 whatever the cache's dtype. fast.apply (kvt/fast.py) is its twin,
-tested equal (tests/test_fast.py): fewer passes over memory, one GEMM per target layer in the mapper's
-dtype, the cache written in place (tutorial section 11).
-Head scope (G = Hkv): head h from head h of the selected layers. Layer scope (G = 1): every head from
-all heads of the selected layers, which also maps between different KV shapes.
-
-Placement: place() puts the weights for target layer l on the device of target layer l (one GPU or
-several); apply then maps layer l there, and the mapped cache's layer l lives there, where the
-target's layer l will read it. An unplaced mapper stays where it was made (the CPU) and every apply would copy its weights over again.
-(A mapper as a file: kvt/harness/files.py, save_mapper and load_mapper.)
+positions, in float32 whatever the cache's dtype. Head scope (G = Hkv): head h from head h of the
+selected layers; layer scope (G = 1): every head from all heads, also between different KV shapes.
+fast.apply is Mapper.apply's twin (tested equal): fewer passes over memory, the cache written in place.
+place(layer_devices(target)) puts target layer l's weights where the target keeps layer l, and apply
+maps it there. (A mapper as a file: kvt/harness/files.py.)
 """
 from dataclasses import dataclass, field
 
@@ -28,11 +22,12 @@ from kvt import rope
 from kvt.cache import Cache
 from kvt.capture import layer_features, unfeatures
 from kvt.config import Config
+from kvt.loading import MapperWeights
 from kvt.stats import KINDS
 
 
 @dataclass
-class Mapper:
+class Mapper(MapperWeights):  # to, place, tensors, n_params: the plumbing, kvt/loading.py
     scope: str             # "head" or "layer"
     src_cfg: Config
     tgt_cfg: Config
@@ -89,58 +84,6 @@ class Mapper:
             G, N = x.shape[:2]
             y = y + mlp_.unflat(mlp_.forward(p, mlp_.flat(x.view(G, N, len(self.layers[kind][l]), -1))), G)
         return y
-
-    def n_params(self):
-        return sum(t.numel() for t in self._floats())
-
-    def nbytes(self):
-        return sum(t.numel() * t.element_size() for t in self._floats())
-
-    def _floats(self):
-        """Every floating-point weight tensor (per layer once placed)."""
-        for t in self.tensors().values():
-            yield from [x for x in (t if isinstance(t, list) else [t]) if x.is_floating_point()]
-
-    def tensors(self):
-        """Every tensor, by the name it has in a saved file (per-layer lists once placed; .to() stacks them)."""
-        out = {}
-        for kind in KINDS:
-            out.update({f"{kind}.layers": self.layers[kind], f"{kind}.W": self.W[kind], f"{kind}.b": self.b[kind]})
-            out.update({f"{kind}.mlp.{name}": w for name, w in self.mlp.get(kind, {}).items()})
-        return out
-
-    def to(self, device=None, dtype=None):
-        """A copy with weights on device / in dtype (selections stay integer); a placed mapper is
-        gathered back into stacked tensors (on device, or the device of its first layer)."""
-        def move(x):
-            if isinstance(x, list):
-                x = torch.stack([w.to(device or x[0].device) for w in x])
-            return x.to(device=device, dtype=dtype if x.is_floating_point() else None)
-        return self._with(move)
-
-    def place(self, devices):
-        """A copy with the weights for target layer l on devices[l] (pass layer_devices(target)), so
-        that apply maps each target layer where the target keeps it."""
-        assert len(devices) == self.tgt_cfg.n_layers, "one device per target layer"
-        def split(x):
-            return x if not x.is_floating_point() else [x[l].to(d) for l, d in enumerate(devices)]
-        return self.to()._with(split)
-
-    @property
-    def placed(self):
-        return isinstance(self.W["k"], list)
-
-    def devices(self, default="cpu"):
-        """The device of each target layer's weights: a list once placed, else [default] * Lt."""
-        W = self.W["k"]
-        return [w.device for w in W] if self.placed else [torch.device(default)] * self.tgt_cfg.n_layers
-
-    def _with(self, fn):
-        """A copy with fn applied to every tensor (selections, weights, MLP weights)."""
-        return Mapper(self.scope, self.src_cfg, self.tgt_cfg, {k: fn(v) for k, v in self.layers.items()},
-                      {k: fn(v) for k, v in self.W.items()}, {k: fn(v) for k, v in self.b.items()},
-                      {k: {n: fn(w) for n, w in p.items()} for k, p in self.mlp.items()}, self.mapper,
-                      dict(self.meta))
 
 
 def from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta):

@@ -2,16 +2,12 @@
 
     mapper, report = calibrate(source, target, calib, mapper="mlp")   # calibrate.py: ridge's selection, then add_mlp
 
-The paper's form (mapper="mlp", `--mapper mlp`): the MLP replaces ridge, with two hidden layers of
-1,024 units each:  y = gelu(gelu(x w0 + b0) w1 + b1) w2 + b2, as stored.
-kvt's own option (mapper="ridge+mlp", `--mapper ridge+mlp`): one hidden layer learning what ridge leaves
-over (targets y - ridge(x)), added to the ridge map.
-
-Inputs are the selected source layers' position-free K (or V), all heads: (N, k * Hkv * D); outputs
-the target layer's, all heads: (N, Hkv_t * D_t). Trained with AdamW on a bounded sample of calibration
-tokens (add_mlp), with early stopping on validation loss. Inputs and outputs are standardized
-while training and the scalings are folded into the first and last layers after, so the stored MLP is
-plain: parameters {"w0", "b0", "w1", "b1", ...}, w_i of shape (in, out).
+mapper="mlp" (the paper's): the MLP replaces ridge, two hidden layers of 1,024 units each,
+y = gelu(gelu(x w0 + b0) w1 + b1) w2 + b2 as stored; "ridge+mlp" (kvt's option): one hidden layer
+learning what ridge leaves over (y - ridge(x)), added to the ridge map. Inputs: the selected source
+layers' position-free K (or V), all heads (N, k * Hkv * D); outputs the target layer's (N, Hkv_t * D_t).
+Trained with AdamW on a bounded sample of calibration tokens, stopping early on validation loss, on
+standardized inputs and outputs whose scalings are folded into the first and last layers after.
 """
 from dataclasses import dataclass
 

@@ -5,16 +5,13 @@ Per group, y (O outputs) from x (F features), with a bias by centering (mx = sx/
     C_xx = xx/n - mx mx^T       C_xy = xy/n - mx my^T       S = diag(C_xx)^(1/2)  (each feature's std)
     W = S^-1 (S^-1 C_xx S^-1 + lam I)^-1 S^-1 C_xy          b = my - mx W
 
-That is ridge on standardized features: W minimizes the mean over tokens of ||y - x W - b||^2 plus
-lam * sum_j var(x_j) * ||W_j||^2, so lambda is relative to each feature's own variance. A quiet but
-informative source layer placed beside a loud one keeps its signal (with one lambda for all features,
-scaled by their mean variance, it would be shrunk away), and multiplying any feature by a constant
-leaves every prediction unchanged. Constant features get zero weight.
+Ridge on standardized features: W minimizes the mean of ||y - x W - b||^2 plus lam * sum_j var(x_j)
+||W_j||^2, so a quiet but informative source layer beside a loud one keeps its signal, and scaling a
+feature changes no prediction. Constant features get zero weight.
 
-Lambda. The paper's summary gives no lambda, so kvt picks one per target layer and kind on held-out
-validation sums, from LAMBDAS: one eigendecomposition R = Q diag(e) Q^T of the standardized matrix
-serves every lambda,  W(lam) = S^-1 Q diag(1 / (e + lam)) Q^T S^-1 C_xy,  so a grid costs a few
-matrix products, not a factorization each. Batched over groups, on the statistics' device.
+Lambda (the paper gives none) is picked per target layer and kind on validation sums from LAMBDAS: one
+eigendecomposition R = Q diag(e) Q^T of the standardized matrix serves every lambda,
+W(lam) = S^-1 Q diag(1 / (e + lam)) Q^T S^-1 C_xy. Batched over groups, on the statistics' device.
 
 R^2 on validation tokens from their sums alone (the augmented [x, 1] form written out), per output j:
 

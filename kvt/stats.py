@@ -1,26 +1,18 @@
 """Streamed sufficient statistics for the ridge fit: sums over tokens, never the tokens themselves.
 
-The closed-form fit of y from x (ridge.py) needs only
+The closed-form fit of y from x (ridge.py) needs only, per group (a KV head, or the layer; capture.py),
 
     xx = sum x x^T   xy = sum x y^T   sx = sum x   sy = sum y   syy = sum y^2 (per output dim)   n
 
-per group g (a KV head in head scope, the whole layer in layer scope; see capture.py). Features x are
-the position-free K (or V) of a list of source layers, concatenated layer by layer (F = layers * Bx);
-outputs y are those of a list of target layers, concatenated (O = layers * By). Any sub-fit (one source
-layer, or the k selected ones, onto one target layer) reads its blocks out of these sums, so one pass
-over the calibration data serves layer selection and the final fit. Sums are plain tensors: two
-statistics objects add by tensor addition.
+Features x: the position-free K (or V) of a list of source layers side by side (F = layers * Bx);
+outputs y: those of a list of target layers (O = layers * By). Any sub-fit (one source layer, or the
+k selected ones, onto one target layer) reads its blocks out of these sums, so one pass over the data
+serves layer selection and the final fit. "fit" and "val" (data.Calibration's regions) are kept apart.
 
     stats = accumulate(source, target, calib, new_stats(source.config, target.config, "head"))
 
-This file is the plain path: each batch's products in float64 (Sums.add_), added. Its fast twin,
-fast.add_batches (kvt/fast.py, tested equal in tests/test_fast.py), centers the features and takes
-float32 products; the caller picks one by passing it as `add` (fast.adder(plain) returns one of the two).
-
-Two splits: "fit" (calibration's fit region) and "val" (its validation region, data.Calibration),
-kept as separate sums; layer selection and lambda are chosen on "val". Diagnostics use a third region
-that never reaches the statistics. (Checkpoints, resume and data parallelism are the run harness's:
-kvt/harness/calibration.py.)
+The plain path: each batch's products in float64 (Sums.add_). Its twin fast.add_batches (tested equal)
+centers the features and takes float32 products; the caller passes one as `add` (fast.adder).
 """
 from dataclasses import dataclass
 
