@@ -391,12 +391,16 @@ def check_matched_kv(src, tgt, scope="head"):
 
 # ---- a model's input (model.Transformer.forward checks it) -------------------------------------------------
 
-def check_input(cfg, ids, cache=None):
+def check_input(cfg, ids, cache=None, appends=True):
     """Token ids (B, T) and the cache they continue from must suit a model of Config cfg: check_ids
-    (the ids' values, a device sync, at prefill only) and check_cache; else a KvtError."""
+    (the ids' values, a device sync, at prefill only), check_cache, and (appends: ids after the cache,
+    not a recompute of its slots) no more positions than max_position_embeddings; else a KvtError."""
     check_ids(ids, cfg.vocab_size, values=cache is None or not len(cache))
     if cache is not None:
         check_cache(cache, cfg, ids.shape[0])
+    n = ids.shape[1] + (len(cache) if cache is not None else 0)
+    if appends and n > cfg.max_seq_len:
+        raise KvtError(f"context of {n} tokens exceeds the model's max_position_embeddings {cfg.max_seq_len}; shorten it")
 
 
 def check_ids(ids, vocab_size, values=True):

@@ -196,7 +196,7 @@ def add_batches(stats, stream, products=torch.float32):
 
 
 def add_batch(stats, split, src_kv, tgt_kv, pending, products=torch.float32):
-    """stats.add_batch through `pending` (the caller's dict of Pending, one per sums; flush(pending.values())
+    """One batch of stats.add_batches, through `pending` (the caller's dict of Pending, one per sums; flush(pending.values())
     completes the sums), what is pending for the other split flushed first, so that one split's
     products are held at a time."""
     flush(p for name, p in pending.items() if not name.endswith(split))

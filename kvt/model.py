@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvt import rope
 from kvt.cache import empty
-from kvt.config import Config, KvtError, check_input
+from kvt.config import Config, check_input
 
 
 class RMSNorm(nn.Module):
@@ -117,7 +117,7 @@ class Transformer(nn.Module):
         memory, as a mapped one does), and each attends to the cache's slots up to its own, the others
         as cached (selective recompute, handoff.py).
         Returns logits (B, T, V) (or (B, 1, V)) and a new Cache holding the old slots plus these T."""
-        check_input(self.config, input_ids, cache)    # ids, and a cache of this model's shape (config.py)
+        check_input(self.config, input_ids, cache, appends=slots is None)   # ids, cache, length (config.py)
         B, T = input_ids.shape
         dev = input_ids.device
         cache = cache if cache is not None else empty(self.config.n_layers, B, dev)
@@ -130,9 +130,6 @@ class Transformer(nn.Module):
             start = torch.zeros(B, 1, dtype=torch.long, device=dev)
         pos = (start + mask.long().cumsum(1) - 1).clamp(min=0) if positions is None else positions  # (B, T)
         positions, key_mask = torch.cat([cache.positions, pos], 1), torch.cat([cache.mask, mask], 1)
-        if len(positions[0]) > self.config.max_seq_len:
-            raise KvtError(f"context of {len(positions[0])} tokens exceeds the model's "
-                           f"max_position_embeddings {self.config.max_seq_len}; shorten it")
         full = cache.full and mask_given is None               # no padding anywhere: known without a sync
         attn_mask = None  # None: a plain causal prefill, or one new token seeing every slot (decode)
         if not full or (len(cache) and T > 1):

@@ -128,17 +128,12 @@ def batch_features(stats, split, src_kv, tgt_kv):
         yield f"{kind}.{split}", x.flatten(2), y.flatten(2)
 
 
-def add_batch(stats, split, src_kv, tgt_kv):
-    """Add one batch of captured KV to a split: Sums.add_ (float64 products)."""
-    for name, x, y in batch_features(stats, split, src_kv, tgt_kv):
-        stats.sums[name].add_(x, y)
-
-
 def add_batches(stats, stream):
     """Add every (split, source KV, target KV) of `stream` (as batches() yields them) to stats, batch by
-    batch (add_batch). Returns stats. fast.add_batches is its twin."""
+    batch: Sums.add_, float64 products. Returns stats. fast.add_batches is its twin."""
     for split, src_kv, tgt_kv in stream:
-        add_batch(stats, split, src_kv, tgt_kv)
+        for name, x, y in batch_features(stats, split, src_kv, tgt_kv):
+            stats.sums[name].add_(x, y)
     return stats
 
 
