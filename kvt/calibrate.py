@@ -12,7 +12,7 @@
    stacked into a Mapper (mapper.from_fits); mapper="mlp": the paper's MLP backstop instead, on the
    same layers (mlp.add_mlp).
 
-Statistics go through the fast adder unless plain=True (fast.adder). `run` holds what a long run passes
+Statistics go through the fast adder unless run.plain (fast.adder). `run` holds what a long run passes
 in (checkpoints, resume, data parallelism, bounded memory): run.py's comes from kvt/harness/calibration.py.
 """
 from dataclasses import dataclass
@@ -21,14 +21,15 @@ from typing import Callable
 from kvt import fast, ridge
 from kvt.config import check_matched_kv, matched_kv
 from kvt.mapper import from_fits
-from kvt.mlp import add_mlp
+from kvt.mlp import Schedule, add_mlp
 from kvt.stats import KINDS, accumulate, layers_used, new_stats
 from kvt.weights import weights_meta
 
 
 @dataclass(frozen=True)
 class Run:
-    """What a long run passes in; each None is the plain step. A hook returns what its step would."""
+    """How the steps run: what a long run passes in (each None is the plain step; a hook returns what its
+    step would), the batch size and the path (plain)."""
     sums: Callable = None      # (name "pass1"/"pass2", scope, src_layers, tgt_layers) -> Stats summed over calib
     candidates: list = None    # the source layers to select from (None: all)
     select: Callable = None    # a layer-selection rule (stats, kind, k, lams) -> (Lt, k), instead of the paper's
@@ -36,11 +37,12 @@ class Run:
     fitted: Callable = None    # (selected, targets, lams, fit) -> fit(), or the fits a run saved of it
     fit: Callable = None       # step 4 from the first pass: (stats, selected, lams, skipped) -> fits
     train_mlp: Callable = None  # (kind, l, train) -> train() or the MLP a run saved: (params, loss)
+    batch_size: int = 1        # calibration sequences per forward pass
+    plain: bool = False        # the plain path's float64 products (stats.add_batches), not fast.add_batches
     progress: bool = False
 
 
-def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1, mapper="ridge", plain=False,
-              run=Run()):
+def calibrate(source, target, calib, scope="layer", k=8, lam=None, mapper="ridge", run=Run()):
     """Fit a Mapper from source to target (kvt models) on calib, `k` source layers per target layer,
     at `lam` (None: each target layer picks its own on validation); mapper: "ridge", "mlp" or
     "ridge+mlp". Returns (mapper, report): report["r2_single"][kind] (Ls, Lt) validation R^2 of every
@@ -55,7 +57,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         if run.sums:
             return run.sums(name, scope_, src_layers, tgt_layers)
         stats = new_stats(src_cfg, tgt_cfg, scope_, src_layers, tgt_layers, device=device)
-        return accumulate(source, target, calib, stats, batch_size, fast.adder(plain))
+        return accumulate(source, target, calib, stats, run.batch_size, fast.adder(run.plain))
 
     def fit(stats, selected, lams, skip):                    # step 4: ridge per target layer and kind
         return {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skip[kind], host=True) for kind in KINDS}
@@ -87,5 +89,5 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         meta["lambda_skipped"] = skipped               # lambdas singular somewhere, skipped there
     out, report = from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta)
     if mapper != "ridge":                              # the MLP backstop on the selected layers
-        out = add_mlp(out, source, target, calib, mapper, train_mlp=run.train_mlp, progress=run.progress)
+        out = add_mlp(out, source, target, calib, mapper, schedule=Schedule(progress=run.progress), train_mlp=run.train_mlp)
     return out, report

@@ -48,6 +48,8 @@ class Schedule:
     max_epochs: int = 30
     patience: int = 3             # epochs without a 1% gain in validation MSE before training stops
     seed: int = 0                 # of the initial weights and the batches' order
+    sample_bytes: int = 2 * 2**30  # float32 features add_mlp samples from the fit region (a tenth from validation)
+    progress: bool = False        # a progress bar while sampling them
 
 
 def train(x_fit, y_fit, x_val, y_val, hidden=PAPER_HIDDEN, schedule=Schedule()):
@@ -100,12 +102,11 @@ def train(x_fit, y_fit, x_val, y_val, hidden=PAPER_HIDDEN, schedule=Schedule()):
 
 # ---- wiring: the MLPs of a fitted Mapper ------------------------------------------------------------------
 
-def add_mlp(fitted, source, target, calib, mapper="mlp", hidden=None, schedule=Schedule(), max_bytes=2 * 2**30,
-            train_mlp=None, progress=False):
+def add_mlp(fitted, source, target, calib, mapper="mlp", hidden=None, schedule=Schedule(), train_mlp=None):
     """A copy of the ridge Mapper `fitted` with one MLP per target layer and kind on its selected layers:
     mapper="mlp" (the paper's) replaces ridge, "ridge+mlp" learns ridge's residual; hidden overrides the
     sizes (HIDDEN). Each trains (train, as `schedule` says) on a seeded sample of calib.fit's tokens of
-    at most max_bytes, stopping early on calib.val's. train_mlp(kind, l, train) -> (params, loss) runs
+    at most schedule.sample_bytes, stopping early on calib.val's. train_mlp(kind, l, train) -> (params, loss) runs
     each training (a long run checkpoints them, kvt/harness/calibration.py); default train()."""
     if mapper not in HIDDEN:
         raise KvtError(f"mapper {mapper!r} has no MLP; use one of {', '.join(HIDDEN)}")
@@ -118,9 +119,9 @@ def add_mlp(fitted, source, target, calib, mapper="mlp", hidden=None, schedule=S
         for l in range(fitted.tgt_cfg.n_layers):
             def one(kind=kind, l=l):
                 if not data:
-                    data["fit"] = sample_features(source, target, calib.fit, max_bytes, fitted.scope, progress=progress)
-                    data["val"] = sample_features(source, target, calib.val, max_bytes // 10 + 1, fitted.scope,
-                                                  progress=progress)
+                    n, scope, bar = schedule.sample_bytes, fitted.scope, schedule.progress
+                    data["fit"] = sample_features(source, target, calib.fit, n, scope, progress=bar)
+                    data["val"] = sample_features(source, target, calib.val, n // 10 + 1, scope, progress=bar)
                 return train(*mlp_data(fitted, kind, l, *data["fit"][kind], mapper),
                              *mlp_data(fitted, kind, l, *data["val"][kind], mapper), hidden, schedule)
             params.append((train_mlp(kind, l, one) if train_mlp else one())[0])

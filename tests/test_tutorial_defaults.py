@@ -9,7 +9,7 @@ import torch
 
 import kvt
 from kvt import fast, rope
-from kvt.calibrate import calibrate
+from kvt.calibrate import Run, calibrate
 from kvt.config import Config
 from kvt.handoff import Recompute, handoff, take_over
 from kvt.harness import evals
@@ -50,7 +50,7 @@ CLAIMS = {
     "The default θᵢ = base^(-2i/D)": plain_rope,
     "`beta_fast` (default 32)": lambda: yarn_default("beta_fast", 32),
     "`beta_slow` (default 1)": lambda: yarn_default("beta_slow", 1),
-    "`calibrate`\nadds through its fast twin by default": lambda: default(calibrate, "plain") is False
+    "`calibrate`\nadds through its fast twin by default": lambda: default(calibrate, "run").plain is False
     and fast.adder(False) is fast.add_batches,
     "(the paper's, and kvt's default)": lambda: default(calibrate, "scope") == "layer" and Settings().scope == "layer",
     "at `positions` (default: the source's)": lambda: default(Mapper.apply, "positions") is None,
@@ -63,7 +63,7 @@ CLAIMS = {
     "Layer scope, the default, can map": lambda: default(calibrate, "scope") == "layer",
     "by default those the source attended to most": lambda: Recompute().by == "attention",
     "takes the same keyword, `plain=False`": lambda: all(
-        default(f, "plain") is False for f in (calibrate, handoff, take_over, diagnose, kvt.generate))
+        default(f, "plain") is False for f in (handoff, take_over, diagnose, kvt.generate)) and not Run().plain
     and evals.Condition.__dataclass_fields__["plain"].default is False,
 }
 

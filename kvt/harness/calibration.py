@@ -196,7 +196,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
                            o.stats_dtype, o.group, o.stats_device or next(source.parameters()).device)
         print(f"calibration memory plan ({scope} scope, k={k_used}): {describe_plan(rows)}")
     seen = {}                                          # what the hooks meet on the way: the source's range, alphas
-    out, report = kvt.calibrate.calibrate(source, target, calib, scope, k, lam, batch_size, mapper, o.plain,
+    out, report = kvt.calibrate.calibrate(source, target, calib, scope, k, lam, mapper,
                                           long_run(source, target, calib, k, batch_size, o, seen))
     out.meta.update(tokenizer=o.tokenizer, src_range=seen["src_range"])
     if "alpha" in seen:
@@ -235,7 +235,8 @@ def long_run(source, target, calib, k, batch_size, options, seen):
     return kvt.calibrate.Run(
         sums=sums, candidates=candidate_layers(src_cfg.n_layers, o.candidates), select=o.select, groups=lambda selected: target_groups(selected, bx, by, bound),
         fitted=saved_fits(o.checkpoint, o.key, o.keep_stats), fit=weighted if o.weights == "attention" else None,
-        train_mlp=saved_mlps(o.mlp_checkpoint, o.mlp_key, o.progress and dist.rank() == 0), progress=o.progress)
+        train_mlp=saved_mlps(o.mlp_checkpoint, o.mlp_key, o.progress and dist.rank() == 0), batch_size=batch_size,
+        plain=o.plain, progress=o.progress)
 
 
 def target_groups(selected, bx, by, bound):

@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 import kvt
 from kvt.harness import bench, scoring, summary, toy
 from kvt import handoff, mapper, ridge, rope, stats
-from kvt.calibrate import calibrate
+from kvt.calibrate import Run, calibrate
 from kvt.harness import calibration
 from kvt.capture import layer_features
 from kvt.config import Config, KvtError
@@ -938,7 +938,7 @@ def answer_1():
 def answer_2():
     """Exercise 2, a control: toy-m -> toy-l against a random model of toy-m's shape, layer scope, k = 2."""
     target, calib = toy_model("toy-l"), toy_calibration()
-    reports = {name: calibrate(m, target, calib, k=2, plain=True)[1]
+    reports = {name: calibrate(m, target, calib, k=2, run=Run(plain=True))[1]
                for name, m in (("toy-m", toy_model("toy-m")), ("random", kvt.build_model(toy_model("toy-m").config, seed=0)))}
     lines = [f"  {name:<7} R^2 {kind.upper()} per target layer " + " ".join(f"{v:.3f}" for v in r["r2"][kind].tolist())
              for kind in ("k", "v") for name, r in reports.items()]
@@ -953,7 +953,7 @@ def answer_2():
 def answer_3():
     """Exercise 3, vary k: toy-l (4 layers) -> toy-m, layer scope, k = 1 to 4; mean validation R^2."""
     source, target, calib = toy_model("toy-l"), toy_model("toy-m"), toy_calibration()
-    r2 = {k: calibrate(source, target, calib, k=k, plain=True)[1]["r2"] for k in (1, 2, 3, 4)}
+    r2 = {k: calibrate(source, target, calib, k=k, run=Run(plain=True))[1]["r2"] for k in (1, 2, 3, 4)}
     lines = [f"  k = {k}: mean R^2 K {r['k'].mean():.4f}, V {r['v'].mean():.4f}" for k, r in r2.items()]
     means = [r2[k][kind].mean().item() for kind in ("k", "v") for k in (1, 4)]
     return lines, [("R^2 at k = 4 (every layer) is at least R^2 at k = 1, for K and for V",
@@ -963,7 +963,7 @@ def answer_3():
 def answer_4():
     """Exercise 4, vary lambda: toy-m -> toy-l, layer scope, k = 2, on 8, 40 and 200 calibration sequences."""
     source, target = toy_model("toy-m"), toy_model("toy-l")
-    lams = {n: calibrate(source, target, toy_calibration(n), k=2, plain=True)[1]["lambda"] for n in (8, 40, 200)}
+    lams = {n: calibrate(source, target, toy_calibration(n), k=2, run=Run(plain=True))[1]["lambda"] for n in (8, 40, 200)}
     lines = [f"  {n:>3} sequences: lambda K {lam['k']}, V {lam['v']}" for n, lam in lams.items()]
     geo = {n: sum(math.log10(v) for kind in ("k", "v") for v in lam[kind]) for n, lam in lams.items()}
     return lines, [("the chosen lambdas (their geometric mean) move down from 8 to 200 sequences", geo[200] < geo[8])]
