@@ -49,7 +49,8 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, mapper="ridge
     single-layer fit, report["r2"][kind] (Lt,) and report["lambda"][kind] (Lt,) of the ridge fits."""
     src_cfg, tgt_cfg = source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
-    matched, lams, device = matched_kv(src_cfg, tgt_cfg), ridge.lambdas(lam), next(source.parameters()).device
+    matched, device = matched_kv(src_cfg, tgt_cfg), next(source.parameters()).device
+    lams = ridge.LAMBDAS if lam is None else (lam,)     # the grid each target layer picks from, or the one given
     candidates = run.candidates or list(range(src_cfg.n_layers))
     k, skipped = min(k, len(candidates)), {step: {kind: {} for kind in KINDS} for step in ("select", "fit")}
 

@@ -28,11 +28,6 @@ from kvt.stats import KINDS, blocks, check_finite
 LAMBDAS = tuple(10.0 ** e for e in range(-6, 3))  # 1e-6 .. 100: the grid each target layer picks from
 
 
-def lambdas(lam=None):
-    """The lambdas a fit picks from: LAMBDAS, or only `lam` when one is given."""
-    return LAMBDAS if lam is None else (lam,)
-
-
 def eigen(s):
     """The fit of Sums s, ready for any lambda: (e (G, F), Q (G, F, F), A = Q^T S^-1 C_xy (G, F, O),
     1/std (G, F), mx (G, F), my (G, O)); see the module docstring."""
