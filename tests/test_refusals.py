@@ -759,7 +759,7 @@ def test_plan_and_bench_options_have_help(monkeypatch):
     """Guards: most plan and bench options without a word of help."""
     import argparse
 
-    from kvt.harness import bench, plan
+    from kvt.harness import bench, costs as plan
     given, add = [], argparse.ArgumentParser.add_argument
     monkeypatch.setattr(argparse.ArgumentParser, "add_argument",
                         lambda self, *a, **kw: given.append((a[0], kw.get("help"))) or add(self, *a, **kw))

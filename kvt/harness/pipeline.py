@@ -390,7 +390,7 @@ def batch_size(s, items, tok, src_cfg, tgt_cfg, cap, dtype, devices):
     batch = s.batch_size
     if batch is None:
         context, choices, new = eval_shape(items, tok)
-        batch = eval_batch(src_cfg, tgt_cfg, cap, context, choices, new, s.scope, s.k, dtype, devices)
+        batch = eval_batch(src_cfg, tgt_cfg, cap, context, choices, new, Options(s.scope, s.k, dtype=dtype, devices=devices))
     print(f"evaluation: {batch} items a batch (--batch-size)")
     return batch
 
