@@ -2,12 +2,12 @@
 
     kvt run [options]          calibrate, evaluate, benchmark and report on a pair (kvt/harness/pipeline.py; = python run.py)
     kvt bench [options]        prefill vs transfer on random weights of named shapes (kvt/harness/bench.py)
-    kvt plan [options]         the memory plan of a pair on named GPUs (kvt/harness/plan.py)
+    kvt plan [options]         the memory plan of a pair on named GPUs, and its disk and time (kvt/harness/costs.py)
     kvt toy train [options]    retrain the toy family (kvt/harness/toy.py)
     kvt family build [options] build a pruned and healed sibling of a checkpoint (kvt/teach/family.py)
     kvt figures r2|gate ...    the layer R^2 map of a pair; diagnostics against retention (kvt/harness/figures.py)
     kvt cascade RECORDS        a small -> large cascade from a run's records: accuracy against cost (kvt/teach/cascade.py)
-    kvt course list|make|grade|answers   assignments cut out of kvt for students, their autograder, the exercises' answers (kvt/teach/course.py)
+    kvt course list|make|grade   assignments cut out of kvt for students and their autograder (kvt/teach/course.py)
 
 A problem the user can fix ends as one line on stderr, `kvt: ...`, with exit status 2 (argparse's own
 errors exit 2 too); Ctrl-C ends with exit status 130 and a line saying whether a rerun resumes (run and
@@ -18,7 +18,7 @@ import sys
 
 from kvt.config import command
 
-COMMANDS = {"run": "harness.pipeline", "bench": "harness.bench", "plan": "harness.plan", "toy": "harness.toy",
+COMMANDS = {"run": "harness.pipeline", "bench": "harness.bench", "plan": "harness.costs", "toy": "harness.toy",
             "family": "teach.family", "figures": "harness.figures", "cascade": "teach.cascade", "course": "teach.course"}
 RESUMES = {"run", "family"}  # commands whose rerun picks up the checkpoints an interrupted one left
 EXIT_USER_ERROR = 2

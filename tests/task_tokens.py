@@ -1,5 +1,5 @@
 """Tokens the headline run reads and writes per evaluated item, per task: the numbers behind the
-evaluation row of `kvt plan` (kvt/harness/plan.py, EVAL_TOKENS).
+evaluation row of `kvt plan` (kvt/harness/costs.py, EVAL_TOKENS).
 
     python -m tests.task_tokens --data-dir ../shared/data --tokenizer ../shared/tokenizers/qwen3
 

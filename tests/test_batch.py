@@ -215,7 +215,7 @@ def test_default_batch_follows_the_prompts_and_the_plan(toy_run):
     weights fit (an H100)."""
     from kvt.config import shape
     from kvt.harness.pipeline import eval_shape
-    from kvt.harness.plan import CPU_EVAL_BATCH, capacity, eval_batch
+    from kvt.harness.plan import CPU_EVAL_BATCH, Options, capacity, eval_batch
     tok = toy_run[0]
     conv = T.Conversation("c", "the pets : anna cat .", ["anna ?", "ben ?"], [["cat"], ["dog"]])
     items = {"toy_recall": T.load_task("toy_recall", None, 3, n=40), "coqa": [conv]}
@@ -225,6 +225,7 @@ def test_default_batch_follows_the_prompts_and_the_plan(toy_run):
     src, tgt = shape("qwen3-14b"), shape("qwen3-32b")
     assert eval_batch(src, tgt, capacity(["cpu"]), 1000) == CPU_EVAL_BATCH
     h200 = capacity(["cuda:0"], "h200")
-    sizes = [eval_batch(src, tgt, h200, n, 1, 256, devices=["cuda:0"]) for n in (500, 1000, 4000, 16000)]
+    on_gpu = Options(devices=["cuda:0"])
+    sizes = [eval_batch(src, tgt, h200, n, 1, 256, on_gpu) for n in (500, 1000, 4000, 16000)]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] >= 16 and all(b & (b - 1) == 0 for b in sizes), sizes
-    assert eval_batch(src, tgt, capacity(["cuda:0"], "h100"), 1000, devices=["cuda:0"]) == 1
+    assert eval_batch(src, tgt, capacity(["cuda:0"], "h100"), 1000, options=on_gpu) == 1

@@ -207,7 +207,7 @@ def test_plan_refuses_what_it_cannot_plan(case):
     """Guards: kvt plan planning a qwen3 -> llama pair (no shared tokenizer: no transfer exists), a context of
     10^9 tokens or --k 99 on a 40-layer source as if they could run, an unknown task priced at a made-up
     1,000 tokens, and --count 10^5 ending in "RuntimeError: Invalid device string: 'cuda:-128'"."""
-    from kvt.harness import plan
+    from kvt.harness import costs as plan
     _, args, words = case
     with pytest.raises(KvtError) as e:
         plan.main(args)
@@ -216,7 +216,7 @@ def test_plan_refuses_what_it_cannot_plan(case):
 
 def test_plan_unknown_device_is_argparses_one_line(capsys):
     """An unknown --device is argparse's error (exit 2) naming the choices."""
-    from kvt.harness import plan
+    from kvt.harness import costs as plan
     with pytest.raises(SystemExit) as e:
         plan.main(["--device", "a100"])
     assert e.value.code == 2 and "invalid choice: 'a100' (choose from 'h100', 'h200')" in capsys.readouterr().err
@@ -248,8 +248,8 @@ COURSE_CASES = [
                                                                          "make the assignment again"]),
     ("test file removed", lambda s, g, t: (s, tampered(g, t, lambda c: (c / "test_rope.py").unlink())),
      ["test_rope.py was changed or removed"]),
-    ("grader course.py edited", lambda s, g, t: (s, tampered(g, t, lambda c: (c / "course.py").write_text("x = 1\n"))),
-     ["course.py was changed or removed"]),
+    ("grader grading.py edited", lambda s, g, t: (s, tampered(g, t, lambda c: (c / "grading.py").write_text("x = 1\n"))),
+     ["grading.py was changed or removed"]),
     ("assignment.json names another assignment", lambda s, g, t: (s, tampered(
         g, t, lambda c: (c / "assignment.json").write_text(json.dumps({**json.loads((c / "assignment.json").read_text()),
                                                                        "assignment": "ridge"})))),

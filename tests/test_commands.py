@@ -150,11 +150,11 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
      r'--grader /tmp/c/NAME-grader',
      Run(r"^ +12 / 12 +total$(.*\n)*.* s wall, .* s CPU", needs=(SOLVED,),
          edit=lambda argv: [a.replace("/tmp/c/NAME", "rope-solved") for a in argv])),
-    (r"OMP_NUM_THREADS=1 python -m kvt\.teach\.course answers",
+    (r"OMP_NUM_THREADS=1 python -m tests\.exercises",
      NotRun("all five exercises, minutes on one thread: tests/test_course.py::"
             "test_the_exercises_answers_hold_and_match_docs runs them and compares them with the block below it; "
             "docs/course.md:10 runs exercise 1 through the command here")),
-    (r"python -m kvt\.teach\.course answers",
+    (r"python -m tests\.exercises",
      Run(r"^exercise 1: .*\n(.*\n)*  holds: ", sizes={"--exercise": "1"})),
     (r"python -m tests\.bench_models .*",
      Run(r"^\| decode 2 \| float32 \| 64 \| ", sizes={"--tokens": "64", "--decode": "2", "--repeats": "1",

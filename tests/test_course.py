@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import kvt
-from kvt.teach import course
+from kvt.teach import course, grading
+from tests import exercises
 from kvt import ridge
 from kvt.harness import toy
 from kvt.cli import entry
@@ -58,7 +59,7 @@ def test_stubs_score_zero(name, tmp_path, capsys):
     for path in ("kvt/teach/course.py", "tutorial.md", "run.py", "requirements.txt", "weights/toy-s/model.safetensors",
                  "README.md"):
         assert (folder / path).exists(), f"{path} missing from the student copy"
-    for path in ("expected.safetensors", f"test_{name}.py", "course.py", "assignment.json"):
+    for path in ("expected.safetensors", f"test_{name}.py", "grading.py", "assignment.json"):
         assert (grader / path).exists(), f"{path} missing from the grader folder"
     assert all((grader / "reference" / f"{f.module}.py").exists() for f in a.functions)
     assert not any(folder.rglob("expected.safetensors")) and not (folder / "grading").exists()
@@ -66,8 +67,8 @@ def test_stubs_score_zero(name, tmp_path, capsys):
     assert not (folder / "tests").exists() and not (folder / "runs").exists()
     readme = (folder / "README.md").read_text()
     assert all(f"`{f.name}`" in readme for f in a.functions) and "OMP_NUM_THREADS=1" in readme
-    mine = (folder / "kvt" / "teach" / "course.py").read_text()                # the exercises' answers are cut from it
-    assert "def greedy_layers" in mine and "ridge.fit_layers(" not in mine and "calibrate(source, target" not in mine
+    assert not (folder / "tests").exists() and not list(folder.rglob("exercises.py"))   # the exercises' answers: not there
+    assert "greedy_layers" not in (folder / "kvt" / "teach" / "course.py").read_text()
 
 
 @pytest.mark.parametrize("name", list(course.ASSIGNMENTS))
@@ -143,10 +144,10 @@ def strip(y, pos, inv_freq, scale=1.0):  # planted: the scale not divided out
 
 
 def test_the_student_copy_cannot_grade_itself(solutions, tmp_path, capsys):
-    """Guards: a student copy whose own kvt/teach/course.py decides the grade (an edited check that passes
+    """Guards: a student copy whose own kvt/teach/grading.py decides the grade (an edited check that passes
     everything would then score full marks on stubs): the grader runs its own copy of the checks."""
     folder, grader = course.make("rope", tmp_path / "rope")
-    mine = folder / "kvt" / "teach" / "course.py"
+    mine = folder / "kvt" / "teach" / "grading.py"
     mine.write_text(mine.read_text().replace('    import pytest\n    student, grader = ', '    return\n    student, grader = '))
     status, printed = grade(folder, capsys)
     assert status == 1 and score(printed) == (0, 12), printed
@@ -163,14 +164,14 @@ def test_helpers_that_compute_an_answer_are_routed_through_it(tmp_path):
     assert "cos_sin(" not in ast.get_source_segment(text, node).split('"""')[-1], \
         "fast.strip_cos_sin still computes strip's answer"
     from kvt import fast, rope
-    namespace = {"rope": rope, "torch": course.torch}
+    namespace = {"rope": rope, "torch": torch}
     exec(compile(ast.Module([node], []), "routed", "exec"), namespace)
-    cfg = course.tiny(rope=course.YARN)                              # scale 1.1218
+    cfg = grading.tiny(rope=grading.YARN)                              # scale 1.1218
     inv, scale = rope.frequencies(cfg)
-    pos = course.torch.randint(0, 3000, (2, 5), generator=course.torch.Generator().manual_seed(0))
-    want, got = fast.strip_cos_sin(pos, inv, scale, course.f64), namespace["strip_cos_sin"](pos, inv, scale, course.f64)
+    pos = torch.randint(0, 3000, (2, 5), generator=torch.Generator().manual_seed(0))
+    want, got = fast.strip_cos_sin(pos, inv, scale, grading.f64), namespace["strip_cos_sin"](pos, inv, scale, grading.f64)
     for w, g in zip(want, got):
-        course.torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)   # float32's rounding of cos / scale
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)   # float32's rounding of cos / scale
 
 
 def test_ridge_without_centering_costs_eigens_points(solutions, tmp_path, capsys):
@@ -218,7 +219,7 @@ def test_every_graded_function_has_its_code_a_case_and_a_tutorial_section():
         for f in a.functions:
             module = (course.KVT / course.path_of(f.module)).read_text()
             assert "raise NotImplementedError" in course.stub(module, [f]), f"{f.name} not found in kvt/{course.path_of(f.module)}"
-            assert f.name in course.CASES and f.name in course.ABOUT, f"{f.name} has no case, or no ABOUT entry"
+            assert f.name in grading.CASES and f.name in grading.ABOUT, f"{f.name} has no case, or no ABOUT entry"
             assert f"\n## {f.section}. " in tutorial, f"{f.name}: tutorial.md has no section {f.section}"
             short = f.name.split(".", 1)[1]
             text = section(tutorial, f.section)
@@ -260,7 +261,7 @@ class K:
 def h():
     return 4
 '''
-    graded = [course.Graded("m.f", 1, 3, ""), course.Graded("m.K.g", 1, 5, "")]
+    graded = [grading.Graded("m.f", 1, 3, ""), grading.Graded("m.K.g", 1, 5, "")]
     out = course.stub(source, graded)
     assert out == '''import torch
 
@@ -319,17 +320,17 @@ def test_greedy_selection_never_loses_to_top_k_at_k_2():
     """Guards: exercise 5's greedy rule (the instructors' answer, calibrate's select=) picking the partner
     layer by its own single-layer R^2 (top-k again) or by the fit region's R^2, returning row indices
     instead of layer numbers, or unsorted layers; and calibrate ignoring `select`."""
-    st = course.layered_stats()                       # source layers numbered 1, 4, 7; planted dependencies
+    st = grading.layered_stats()                       # source layers numbered 1, 4, 7; planted dependencies
     for kind in ("k", "v"):
         top = ridge.select_layers(ridge.single_layer_r2(st, kind), st.src_layers, 2)
-        greedy = course.greedy_layers(st, kind, 2)
+        greedy = exercises.greedy_layers(st, kind, 2)
         assert greedy.shape == (2, 2) and set(greedy.flatten().tolist()) <= set(st.src_layers), greedy
         assert bool((greedy[:, :-1] < greedy[:, 1:]).all()), greedy
         r2_top, r2_greedy = (ridge.fit_layers(st, kind, sel) for sel in (top, greedy))
         assert all(r2_greedy[t][2] >= r2_top[t][2] - 1e-12 for t in st.tgt_layers), (top, greedy)
-    assert course.greedy_layers(st, "k", 2)[1].tolist() == [1, 4]   # planted: target 1 = f(layer 1) + g(layer 4)
-    source, target = course.toy_model("toy-m"), course.toy_model("toy-s")
-    calib = course.calibration_sequences(None, kvt.load_tokenizer(course.ROOT / "weights" / "toy-s"), 6, 64,
+    assert exercises.greedy_layers(st, "k", 2)[1].tolist() == [1, 4]   # planted: target 1 = f(layer 1) + g(layer 4)
+    source, target = exercises.toy_model("toy-m"), exercises.toy_model("toy-s")
+    calib = exercises.calibration_sequences(None, kvt.load_tokenizer(course.ROOT / "weights" / "toy-s"), 6, 64,
                                          documents=toy.corpus(200, seed=99))
     fixed = lambda stats, kind, k, lams: torch.tensor([[1]] * len(stats.tgt_layers))   # always source layer 1
     m, _ = calibrate(source, target, calib, scope="head", k=1, options=CalibrationOptions(select=fixed, progress=False))
@@ -339,10 +340,10 @@ def test_greedy_selection_never_loses_to_top_k_at_k_2():
 @pytest.mark.slow
 def test_the_exercises_answers_hold_and_match_docs(capsys):
     """Guards: an exercise whose answer no longer holds on the shipped weights (a check fails), and
-    docs/course.md's answers drifting from what `kvt course answers` prints (numbers within test_tutorial's
+    docs/course.md's answers drifting from what `python -m tests.exercises` prints (numbers within test_tutorial's
     tolerance). A few minutes on one thread: every exercise calibrates on the toy family."""
     from test_tutorial import FENCE, compare
-    assert course.answers(), capsys.readouterr().out
+    assert exercises.answers(), capsys.readouterr().out
     printed = capsys.readouterr().out
     docs = (course.ROOT / "docs" / "course.md").read_text()
     block = next(m.group(2) for m in FENCE.finditer(docs) if m.group(2).startswith("exercise 1:"))

@@ -215,7 +215,7 @@ def test_the_headline_plan_meets_its_goals():
     8% to spare in every phase, writes at most 100 GB at once and is estimated under 2 hours; the 32K
     prefill estimate lands within 15% of the paper's 6.98 s. Guards: a plan that stopped counting a
     resident tensor it once did, or defaults that no longer meet the goals."""
-    from kvt.harness.plan import headline_times, rehearsal
+    from kvt.harness.costs import headline_times, rehearsal
     src, tgt = shape("qwen3-14b"), shape("qwen3-32b")
     text, got = rehearsal(src, tgt, ("qwen3-14b", "qwen3-32b"), Options(context=32768))
     assert got["spare"] >= 0.08 and got["disk"] <= 100e9 and got["seconds"] < 2 * 3600, got

@@ -13,9 +13,10 @@ LAYERS = {
     "": ["config", "rope", "tokenizer", "weights", "cache", "model", "loading", "capture", "stats", "ridge", "mlp",
          "mapper", "fast", "calibrate", "handoff"],
     "harness": ["data", "dist", "files", "plan", "attnfit", "calibration", "scoring", "toy", "diagnose", "answers",
-                "tasks", "summary", "evals", "figures", "bench", "pipeline"],
+                "tasks", "summary", "evals", "figures", "bench", "costs", "settings", "records", "report",
+                "pipeline"],
     "integrations": ["hf", "lm_eval", "serving", "router"],
-    "teach": ["family", "cascade", "course"],
+    "teach": ["family", "cascade", "grading", "course"],
     "cli": ["cli"],                          # kvt/cli.py, the installed `kvt` command: it reaches every layer
 }
 RANK = {(layer or "") + "." + m if layer not in ("", "cli") else m: (i, j)

@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 import kvt
-from kvt.harness import dist, evals, pipeline, scoring, tasks
+from kvt.harness import dist, evals, pipeline, report, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair, plain_requested
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
@@ -96,7 +96,7 @@ def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, ca
                                  documents=pipeline.toy_calibration_text(s))
     skey = pipeline.stats_key(s, Path(src_dir), Path(tgt_dir), seqs)
     Path(out).mkdir(parents=True, exist_ok=True)
-    mapper, _ = pipeline.get_mapper(s, source, target, tok, seqs, Path(out), skey, dtype)
+    mapper, _ = pipeline.get_mapper(s, pipeline.Pair(source, target, tok, dtype), seqs, Path(out), skey)
     return mapper
 
 
@@ -347,7 +347,7 @@ def main(argv=None):
             raise KvtError("usage: python -m kvt.integrations.lm_eval retention TARGET_DIR TRANSFER_DIR [SOURCE_DIR] "
                            "(or NAME=DIR each)")
         summary, average, (src, tgt) = retention(argv[1:])
-        print(pipeline.format_summary(summary, average, src, tgt))
+        print(report.format_summary(summary, average, src, tgt))
         return summary
     from lm_eval.__main__ import cli_evaluate                          # the harness's own command line
     if not any(a == "--model" or a.startswith("--model=") for a in argv):
