@@ -155,9 +155,9 @@ def test_run_py_refuses_a_reused_mapper_on_the_edited_target(fitted, tmp_path):
     write_safetensors(load_file(str(path)), tmp_path / f"mapper-{pipeline.mapper_name(args, skey, s.config)}.safetensors",
                       {**meta, "meta": json.dumps(inner)})
     tok = kvt.load_tokenizer(TOYS / "toy-m")
-    pipeline.get_mapper(args, s, kvt.load_model(TOYS / "toy-m"), tok, None, tmp_path, skey, torch.float32)
+    pipeline.get_mapper(args, pipeline.Pair(s, kvt.load_model(TOYS / "toy-m"), tok, torch.float32), None, tmp_path, skey)
     with pytest.raises(KvtError, match=r"^mapper .* was fitted on other target weights") as e:
-        pipeline.get_mapper(args, s, t, tok, None, tmp_path, skey, torch.float32)
+        pipeline.get_mapper(args, pipeline.Pair(s, t, tok, torch.float32), None, tmp_path, skey)
     one_line_refusal(e)
 
 
