@@ -3,8 +3,8 @@
     python -m tests.bench_weights [--folder weights/smollm2-135m] [--repeats 3] [--threads 1]
 
 Side by side in one process, each a warm-up run, then `--repeats` timed runs in turn (medians, min, max):
-  - kvt's load_model in float32 and bfloat16, as it is (every decoder tensor hashed as it is copied in:
-    weights.load_weights) and the same load without the hashing (its loop, digest=None);
+  - kvt's load_model in float32 and bfloat16, as it is (every decoder tensor hashed once it is in, in
+    threads beside the copying: weights.load_weights) and the same load without the hashing;
   - the digest from a model's parameters (weights.model_digest with nothing kept: what a transformers
     model costs at its first check), kvt's and transformers' models, and from the folder
     (weights.folder_digest: the serving connector's, once an engine, the files in the page cache);
@@ -29,7 +29,7 @@ from kvt.loading import _materialize, as_dtype, check_weights
 
 
 def load_unhashed(path, dtype):
-    """load_model without the digest: load_weights' loop with digest=None."""
+    """load_model without the digest: load_weights' loop without its hashing."""
     cfg = load_config(path)
     check_weights(cfg, path)
     model = _materialize(cfg, as_dtype(dtype), ["cpu"])
