@@ -10,12 +10,14 @@ Side by side in one process, each a warm-up run, then `--repeats` timed runs in 
     (weights.folder_digest: the serving connector's, once an engine, the files in the page cache);
   - the sampled id from the folder and from the parameters (weights_fingerprint: 8 values a row);
   - a check of a mapper against a loaded model whose digests are kept (check_pair_weights: what handoff
-    and take_over pay per request).
-Then the cost a 14B checkpoint (Qwen3-14B's shape, bf16 on disk) would see, from the measured rate of
-hashing at load and a stated disk rate. The table names the processor.
+    and take_over pay per request), beside a handoff of 128 tokens (a random map, bound to the model).
+Then the cost a 14B checkpoint (Qwen3-14B's shape, bf16 on disk) would see: its decoder values at the
+rate one thread hashed SmolLM2's (model_digest, bfloat16), beside its read at a stated disk rate. The
+table names the processor.
 """
 import argparse
 import hashlib
+import os
 import time
 
 import torch
@@ -23,7 +25,8 @@ import torch
 import kvt
 from kvt import weights
 from kvt.config import load_config, shape
-from kvt.harness.bench import hardware
+from kvt.handoff import handoff
+from kvt.harness.bench import hardware, random_mapper
 from kvt.harness.plan import n_params
 from kvt.loading import _materialize, as_dtype, check_weights
 
@@ -68,7 +71,9 @@ def main(argv=None):
     kt, kb = kvt.load_model(a.folder), kvt.load_model(a.folder, "bfloat16")
     hf = transformers.AutoModelForCausalLM.from_pretrained(a.folder, dtype=torch.float32)
     values = sum(p.numel() for _, p in weights._decoder_tensors(kt))
-    mapper = type("M", (), {"meta": weights.weights_meta(kt, kt)})()
+    mapper = random_mapper(kt.config, kt.config)
+    mapper.meta = weights.weights_meta(kt, kt)                       # bound to SmolLM2 -> itself: checked
+    ids = torch.randint(0, kt.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     fns = {
         "load_model float32 (hashing at load)": lambda: kvt.load_model(a.folder),
         "the same load without hashing": lambda: load_unhashed(a.folder, "float32"),
@@ -83,6 +88,7 @@ def main(argv=None):
             dict(weights._decoder_tensors(kt))),
         "check_pair_weights, digests kept (x100)": lambda: [weights.check_pair_weights(mapper, kt, kt)
                                                             for _ in range(100)],
+        "handoff of 128 tokens, for scale (it checks both)": lambda: handoff(kt, kt, mapper, ids),
     }
     got = medians(fns, a.repeats)
     print(f"{a.folder}: {values / 1e6:.1f}M decoder values ({2 * values / 1e9:.2f} GB as bf16); "
@@ -92,16 +98,16 @@ def main(argv=None):
     for name, (m, lo, hi) in got.items():
         print(f"| {name:<52} | {m:.3f} ({lo:.3f}-{hi:.3f}) |")
     at_load = got["load_model bfloat16 (hashing at load)"][0] - got["the same load without hashing, bfloat16"][0]
-    rate = values / max(at_load, 1e-9)
+    rate = values / got["model_digest, nothing kept (kvt, bfloat16)"][0]     # one thread, one tensor after another
     cfg = shape("qwen3-14b")
     big = n_params(cfg)                                           # every value is read from disk
     hashed = big - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)   # the head is not hashed
     read = 2 * big / (a.disk_gbs * 1e9)
-    print(f"hashing at load (bfloat16): {at_load:.3f} s, {rate / 1e6:.0f}M values/s on {a.threads} thread(s); "
-          f"sha256 alone: {sha_rate() / 1e9:.2f} GB/s")
+    print(f"hashing at load adds {at_load:.3f} s (bfloat16, its threads on {os.cpu_count()} cores); one thread hashes "
+          f"{rate / 1e6:.0f}M bf16 values/s (model_digest), sha256 alone {sha_rate() / 1e9:.2f} GB/s")
     print(f"model, Qwen3-14B's shape ({big / 1e9:.1f}B values, {2 * big / 1e9:.1f} GB bf16, read at "
-          f"{a.disk_gbs:g} GB/s: {read:.0f} s): hashing its {hashed / 1e9:.1f}B decoder values at load adds "
-          f"{hashed / rate:.0f} s on one core")
+          f"{a.disk_gbs:g} GB/s: {read:.0f} s): hashing its {hashed / 1e9:.1f}B decoder values takes "
+          f"{hashed / rate:.0f} s of one core's time, {hashed / rate / 16:.0f} s on 16 cores beside the read")
 
 
 def sha_rate(n=64 << 20):
