@@ -49,5 +49,5 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
             for kind in KINDS}
     meta = {"k": k, "calib_sequences": len(calib.fit), "calib_len": calib.fit.shape[1], "calib": calib.hash(),
-            **weights_meta(source, target), **ridge.skipped_meta(skipped)}    # the pair's weights, checked where the mapper meets models
+            **weights_meta(source, target), **ridge.skipped_meta(skipped)}    # the pair's weights' ids
     return from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta)

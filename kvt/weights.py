@@ -70,13 +70,13 @@ def file_sha256(file):
 # ---- the weights a KV cache depends on, fingerprinted (a mapper records its pair's) --------------------
 #
 # Two ids of the same tensors. The digest ("d1:"), every value of every tensor, is what binds a mapper to
-# its pair: taken where the values are read anyway (load_weights, as it copies them in) and kept on the
+# its pair: taken where the values are read anyway (load_weights, once each tensor is in) and kept on the
 # model with each tensor's stamp, so a model is hashed once, and again only where a tensor was replaced or
 # written in place. The sampled id ("w2:"), 8 values a row, is the cheap one, for where only a sample can
-# be afforded (a KV file's header names its engine's weights by it; bench checks a mapper's pair by it).
+# be afforded; a mapper file older than the digests is checked by it, and a KV file carries both.
 
 KV_TENSORS = ("embed_tokens.weight", "layers.")  # under the decoder: what shapes the cache (not the final norm, nor the head)
-SCHEME = "w2"          # prefixes every sampled id, "w2:<16 hex>"; w1 (unprefixed, kvt 0.2.0): 4 rows x 16 columns a tensor
+SCHEME = "w2"          # prefixes every sampled id, "w2:<16 hex>"; w1 (unprefixed, kvt 0.2.0): 4 x 16 values a tensor
 DIGEST = "d1"          # prefixes every digest, "d1:<16 hex>": every value
 SAMPLE_COLS = 8        # of each matrix: every row, at its 8 middle columns (one cache line a row: cheap in memory)
 ROW_BLOCK = 1 << 24    # values read at a time from a checkpoint's tensor (64 MB in float32)
@@ -135,8 +135,8 @@ def weights_fingerprint(named):
         shape = tuple(t.get_shape() if hasattr(t, "get_shape") else t.shape)
         h.update(f"{key} {shape}".encode())
         for x in _samples(t, shape):
-            x = x.float().cpu().to(torch.bfloat16).float()          # as the digest's values, but below 2^-14
-            x = torch.where(x.abs() < FP16_NORMAL, 0.0, x) + 0.0      # + 0.0: -0.0 hashes as 0.0
+            x = x.float().cpu().to(torch.bfloat16).float()
+            x = torch.where(x.abs() < FP16_NORMAL, 0.0, x) + 0.0          # + 0.0: -0.0 hashes as 0.0
             h.update(x.numpy().tobytes())
     return f"{SCHEME}:{h.hexdigest()[:16]}"
 
@@ -220,7 +220,7 @@ def _decoder_tensors(model):
 @torch.no_grad()
 def model_digest(model):
     """weights_digest of a loaded model's parameters (a kvt model, or a transformers one). Each tensor is
-    hashed once: load_weights hashes it as it copies it in; a transformers model's, at its first check.
+    hashed once: load_weights hashes it once it is in; a transformers model's, at its first check.
     A tensor replaced (model.to, place) or written in place since is hashed again (its _stamp changed);
     else a call walks the parameters and compares their stamps (SmolLM2-135M: tests/bench_weights.py)."""
     tensors = _decoder_tensors(model)
@@ -297,7 +297,8 @@ def check_pair_weights(mapper, source, target, name="the mapper"):
     costs a walk over its parameters); a mapper that records less is checked on what it records, with a
     one-line warning once (warn_unchecked)."""
     for side, model in (("source", source), ("target", target)):
-        other = model is not None and other_weights(mapper.meta, side, lambda: model_digest(model), lambda: model_fingerprint(model))
+        other = model is not None and other_weights(mapper.meta, side, lambda: model_digest(model),
+                                                    lambda: model_fingerprint(model))
         if other:
             raise KvtError(f"{name} was fitted on other {side} weights (fingerprint {other[0]}, this {side}'s "
                            f"{other[1]}; one config, other weights: a base and an instruct model, a fine-tune, or "
