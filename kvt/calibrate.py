@@ -85,7 +85,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, mapper="ridge
         # 4. ridge per target layer and kind, at the lambda with the best validation R^2
         fits = (run.fit or fit)(stats, selected, lams, skipped["fit"])
     meta = {"k": k, "calib_sequences": len(calib.fit), "calib_len": calib.fit.shape[1], "calib": calib.hash(),
-            **weights_meta(source, target)}              # the pair's weights, checked where the mapper meets models
+            **weights_meta(source, target)}              # the pair's weights' ids
     if any(by for step in skipped.values() for by in step.values()):
         meta["lambda_skipped"] = skipped               # lambdas singular somewhere, skipped there
     out, report = from_fits(scope, src_cfg, tgt_cfg, selected, fits, r2_single, meta)

@@ -79,9 +79,8 @@ def handoff(source, target, mapper, ids, mask=None, recompute=Recompute(), plain
     """ids (B, T) long, mask (B, T) bool (False = left padding) or None; recompute: a Recompute budget
     (batch 1 when it selects by attention); plain: take_over's.
 
-    Returns the target's logits for the last prompt token (B, 1, V) and its Cache of T slots. A mapper
-    fitted on other weights than these models' is refused (weights.check_pair_weights: the digests are
-    hashed once a model, so a call costs a walk over the parameters; take_over checks the target)."""
+    Returns the target's logits for the last prompt token (B, 1, V) and its Cache of T slots.
+    A mapper fitted on other weights is refused (weights.check_pair_weights; take_over: the target's)."""
     check_pair_weights(mapper, source, None)
     if ids.shape[1] == 1:  # nothing to hand over
         return target(ids, mask=mask)
@@ -103,7 +102,7 @@ def take_over(target, mapper, src_cache, last_ids, last_mask=None, slots=None, s
     appending its K and V after them. Returns (logits (B, 1, V), Cache of T slots). plain=True: the plain
     path (Mapper.apply, Cache.update and Cache.attend); by default the fast twins (fast.map_cache with
     room for the last token: a fast.Reserved, which appends it in place and attends to it; its linears in
-    fast.one_row_linears). A mapper fitted on other target weights is refused (check_pair_weights)."""
+    fast.one_row_linears)."""
     check_pair_weights(mapper, None, target)
     dtype, device = _dtype_device(target)
     cache = fast.map_cache(mapper, src_cache, layer_devices(target), dtype, room=1, plain=plain)

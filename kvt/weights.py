@@ -70,16 +70,17 @@ def file_sha256(file):
 # ---- the weights a KV cache depends on, fingerprinted (a mapper records its pair's) --------------------
 #
 # Two ids of the same tensors. The digest ("d1:"), every value of every tensor, is what binds a mapper to
-# its pair: taken where the values are read anyway (load_weights, as it copies them in) and kept on the
+# its pair: taken where the values are read anyway (load_weights, once each tensor is in) and kept on the
 # model with each tensor's stamp, so a model is hashed once, and again only where a tensor was replaced or
 # written in place. The sampled id ("w2:"), 8 values a row, is the cheap one, for where only a sample can
-# be afforded (a KV file's header names its engine's weights by it; bench checks a mapper's pair by it).
+# be afforded; a mapper file older than the digests is checked by it, and a KV file carries both.
 
 KV_TENSORS = ("embed_tokens.weight", "layers.")  # under the decoder: what shapes the cache (not the final norm, nor the head)
-SCHEME = "w2"          # prefixes every sampled id, "w2:<16 hex>"; w1 (unprefixed, kvt 0.2.0): 4 rows x 16 columns a tensor
+SCHEME = "w2"          # prefixes every sampled id, "w2:<16 hex>"; w1 (unprefixed, kvt 0.2.0): 4 x 16 values a tensor
 DIGEST = "d1"          # prefixes every digest, "d1:<16 hex>": every value
 SAMPLE_COLS = 8        # of each matrix: every row, at its 8 middle columns (one cache line a row: cheap in memory)
 ROW_BLOCK = 1 << 24    # values read at a time from a checkpoint's tensor (64 MB in float32)
+DIGEST_BLOCK = 1 << 22  # values a loading thread hashes at a time (its temporaries: 16 MB)
 FP16_NORMAL = 2.0 ** -14                         # the smallest normal float16
 
 
@@ -91,11 +92,10 @@ def _decoder_name(name):
 
 
 def _canonical(x):
-    """x's values as both ids hash them, in bfloat16: rounded to it, magnitudes below float16's smallest
-    normal as 0. A bf16 checkpoint gives the same values loaded in float32, bfloat16 or float16, a float32
-    one in float32 or bfloat16 (float16 rounds it differently)."""
-    x = x.detach().to(torch.bfloat16)
-    return torch.where(x.abs() < FP16_NORMAL, 0.0, x) + 0.0            # + 0.0: -0.0 hashes as 0.0
+    """x's values as the digest hashes them: rounded to bfloat16, magnitudes up to float16's smallest
+    normal as 0 (-0.0 too; one fused op, hardshrink). A bf16 checkpoint gives the same values loaded in
+    float32, bfloat16 or float16, a float32 one in float32 or bfloat16 (float16 rounds it differently)."""
+    return torch.nn.functional.hardshrink(x.detach().to(torch.bfloat16), FP16_NORMAL)
 
 
 def _samples(t, shape):
@@ -111,9 +111,9 @@ def _samples(t, shape):
         yield t[r:r + step, c0:c0 + SAMPLE_COLS]                      # (step, SAMPLE_COLS)
 
 
-def _rows(t, shape):
-    """One tensor (a parameter or a safetensors slice of shape `shape`) whole, in blocks of ROW_BLOCK values."""
-    step = max(1, ROW_BLOCK // math.prod(shape[1:]))
+def _rows(t, shape, block=ROW_BLOCK):
+    """One tensor (a parameter or a safetensors slice of shape `shape`) whole, in blocks of `block` values."""
+    step = max(1, block // math.prod(shape[1:]))
     for r in range(0, shape[0], step):
         yield t[r:r + step]
 
@@ -125,8 +125,9 @@ def weights_fingerprint(named):
     from it (model_fingerprint), kvt's or transformers'. Tensors in the order of their decoder-relative
     names; of each matrix every row at its 8 middle columns, 1-D ones whole: an edit of one row changes
     the id, and a check reads a few values a row (SmolLM2-135M: 1.7M, 30 ms on a CPU core; Qwen3-14B
-    shapes: 18M, 0.7 s); an edit of a few values elsewhere does not (the digest sees it). Values as
-    _canonical reads them. Two trainings of one config (a base and its instruct model, a fine-tune, a
+    shapes: 18M, 0.7 s); an edit of a few values elsewhere does not (the digest sees it). Values are
+    hashed rounded to bfloat16, with magnitudes below float16's smallest normal as 0 (so dtypes match as
+    for the digest, _canonical). Two trainings of one config (a base and its instruct model, a fine-tune, a
     function-preserving twin) get different ids."""
     h = hashlib.sha256()
     for key, name in sorted((k, n) for n in named if (k := _decoder_name(n)) is not None):
@@ -134,7 +135,9 @@ def weights_fingerprint(named):
         shape = tuple(t.get_shape() if hasattr(t, "get_shape") else t.shape)
         h.update(f"{key} {shape}".encode())
         for x in _samples(t, shape):
-            h.update(_canonical(x.cpu()).float().numpy().tobytes())
+            x = x.float().cpu().to(torch.bfloat16).float()
+            x = torch.where(x.abs() < FP16_NORMAL, 0.0, x) + 0.0          # + 0.0: -0.0 hashes as 0.0
+            h.update(x.numpy().tobytes())
     return f"{SCHEME}:{h.hexdigest()[:16]}"
 
 
@@ -143,12 +146,8 @@ def tensor_digest(blocks):
     of whole rows in order: any block size gives the same digest."""
     h = hashlib.sha256()
     for x in blocks:
-        _hash(h, x)
+        h.update(_canonical(x).cpu().contiguous().view(torch.int16).numpy())   # bfloat16's 2 bytes a value
     return h.hexdigest()
-
-
-def _hash(h, x):
-    h.update(_canonical(x).cpu().contiguous().view(torch.int16).numpy())   # bfloat16's 2 bytes a value
 
 
 def weights_digest(digests):
@@ -221,11 +220,14 @@ def _decoder_tensors(model):
 @torch.no_grad()
 def model_digest(model):
     """weights_digest of a loaded model's parameters (a kvt model, or a transformers one). Each tensor is
-    hashed once: load_weights hashes it as it copies it in; a transformers model's, at its first check.
-    A tensor replaced (model.to, place) or written in place since is hashed again (its _stamp changed)."""
-    return weights_digest({_decoder_name(name): (tuple(p.shape), _kept(model, name, _stamp(p),
-                                                                       lambda p=p: tensor_digest(_rows(p, p.shape))))
-                           for name, p in _decoder_tensors(model)})
+    hashed once: load_weights hashes it once it is in; a transformers model's, at its first check.
+    A tensor replaced (model.to, place) or written in place since is hashed again (its _stamp changed);
+    else a call walks the parameters and compares their stamps (SmolLM2-135M: tests/bench_weights.py)."""
+    tensors = _decoder_tensors(model)
+    stamps = tuple(_stamp(p) for _, p in tensors)
+    return _kept(model, "digest", None if None in stamps else stamps, lambda: weights_digest(
+        {_decoder_name(name): (tuple(p.shape), _kept(model, name, stamp, lambda p=p: tensor_digest(_rows(p, p.shape))))
+         for (name, p), stamp in zip(tensors, stamps)}))
 
 
 def model_fingerprint(model):
@@ -295,7 +297,8 @@ def check_pair_weights(mapper, source, target, name="the mapper"):
     costs a walk over its parameters); a mapper that records less is checked on what it records, with a
     one-line warning once (warn_unchecked)."""
     for side, model in (("source", source), ("target", target)):
-        other = model is not None and other_weights(mapper.meta, side, lambda: model_digest(model), lambda: model_fingerprint(model))
+        other = model is not None and other_weights(mapper.meta, side, lambda: model_digest(model),
+                                                    lambda: model_fingerprint(model))
         if other:
             raise KvtError(f"{name} was fitted on other {side} weights (fingerprint {other[0]}, this {side}'s "
                            f"{other[1]}; one config, other weights: a base and an instruct model, a fine-tune, or "
@@ -337,17 +340,13 @@ def checkpoint_names(cfg, name):
     return [prefix + name.removeprefix("model.") for prefix, _ in LAYOUTS[cfg.prefix]]
 
 
-def _copy_in_chunks(param, src, digest=None, chunk_bytes=8 << 20):
+def _copy_in_chunks(param, src, chunk_bytes=8 << 20):
     """param <- src (a safetensors slice), a block of rows at a time: no full-size temporary is held.
-    digest: a hashlib object, fed each block's values as the model now holds them (tensor_digest's bytes)
-    while the block is in cache. Returns False if a value is NaN or infinite (a damaged file: no trained
-    weight is)."""
+    Returns False if a value is NaN or infinite (a damaged file: no trained weight is)."""
     step, finite = max(1, chunk_bytes // (param[0].numel() * 4)), True
     for i in range(0, param.shape[0], step):
         block = param[i:i + step].copy_(src[i:i + step])
         finite = finite and bool(block.sum().isfinite())  # NaN and inf survive a sum; checked while in cache
-        if digest is not None:
-            _hash(digest, block)
     return finite
 
 
@@ -422,19 +421,22 @@ def check_checkpoint(model, path):
 @torch.no_grad()
 def load_weights(model, path):
     """Copy every parameter of `model` from the checkpoint at `path` (tied lm_head shares embed_tokens),
-    hashing each decoder tensor's values on the way (model_digest's, kept on the model: the digest a
-    mapper's check then reads without reading the weights again)."""
-    kept = model.__dict__.setdefault("kvt_weights", {})
-    for name, (handle, key) in check_checkpoint(model, path).items():
-        p, digest = model.get_parameter(name), hashlib.sha256() if _decoder_name(name) else None
-        try:
-            finite = _copy_in_chunks(p, handle.get_slice(key), digest)
-        except (SafetensorError, OSError) as e:
-            raise KvtError(f"{path}: cannot read {key} ({e}); the file is truncated, download it again")
-        if not finite:
-            raise KvtError(f"{path}: {key} holds NaN or infinite values; the file is damaged, download it again")
-        if digest is not None:
-            kept[name] = (_stamp(p), digest.hexdigest())
+    and hash each decoder tensor once it is in (model_digest's digests, kept on the model: a mapper's check
+    then reads no weight again), in threads beside the copying, a tensor each (hashlib and torch let go of
+    the GIL)."""
+    kept, hashing = model.__dict__.setdefault("kvt_weights", {}), {}
+    with ThreadPoolExecutor() as pool:
+        for name, (handle, key) in check_checkpoint(model, path).items():
+            p = model.get_parameter(name)
+            try:
+                finite = _copy_in_chunks(p, handle.get_slice(key))
+            except (SafetensorError, OSError) as e:
+                raise KvtError(f"{path}: cannot read {key} ({e}); the file is truncated, download it again")
+            if not finite:
+                raise KvtError(f"{path}: {key} holds NaN or infinite values; the file is damaged, download it again")
+            if _decoder_name(name):
+                hashing[name] = _stamp(p), pool.submit(tensor_digest, _rows(p, p.shape, DIGEST_BLOCK))
+    kept.update({name: (stamp, job.result()) for name, (stamp, job) in hashing.items()})
 
 
 def write_safetensors(tensors, path, metadata=None):

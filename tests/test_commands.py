@@ -159,6 +159,8 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"python -m tests\.bench_models .*",
      Run(r"^\| decode 2 \| float32 \| 64 \| ", sizes={"--tokens": "64", "--decode": "2", "--repeats": "1",
                                                       "--dtypes": "float32"})),
+    (r"python -m tests\.bench_weights .*",
+     Run(r"^\| check_pair_weights, digests kept \(x100\) +\| ", sizes={"--folder": "weights/toy-m", "--repeats": "1"})),
     (r"python -m tests\.bench_fast apply .*", Run(r"^\| fast\.apply \(tiles of \d+\) \| ", sizes={"--tokens": "64", "--repeats": "1"})),
     (r"python -m tests\.bench_eval( --repeats 3)?", Run(EVAL_AGREE, sizes={"--repeats": "1", "--limit": "4"})),
     (r"python -m tests\.bench_eval --source weights/smollm2-135m .*",

@@ -26,7 +26,7 @@ from kvt.handoff import handoff
 from kvt.harness.diagnose import diagnose, gate
 from kvt.harness.calibration import CalibrationOptions, calibrate
 from kvt.harness.files import save_kv, save_mapper
-from kvt.weights import folder_fingerprint
+from kvt.weights import folder_digest, folder_fingerprint
 from kvt.config import KvtError
 from tests.conftest import ROOT, tiny_config
 
@@ -174,8 +174,8 @@ def test_source_engine_saves_the_source_models_kv(case):
     """The file a source engine writes through save_kv_layer holds the source model's KV of every prompt
     token, as kvt's own forward computes it: guards reading vLLM's paged CPU layout (keys and values are the
     two halves of each block and head, not interleaved per token) and the block order across 128 slots.
-    The file records the engine's weights fingerprint (what a target binds it to), and a load asked of an
-    engine without a mapper is "unsupported"."""
+    The file records the engine's weights fingerprint and digest (what a target binds it to), and a load
+    asked of an engine without a mapper is "unsupported"."""
     from safetensors import safe_open
     from safetensors.torch import load_file
     assert case["saved"][-1]["kv_transfer_params"]["kvt"]["status"] == "unsupported", case["saved"][-1]
@@ -183,7 +183,9 @@ def test_source_engine_saves_the_source_models_kv(case):
         path = str(case["tmp"] / f"p{i}.kv")
         assert case["saved"][i]["kv_transfer_params"] == {"kvt": {"status": "saved", "path": path}}
         with safe_open(path, "pt") as f:
-            assert f.metadata()["weights"] == folder_fingerprint(ROOT / "weights" / "toy-s")
+            meta = f.metadata()
+            assert (meta["weights"], meta["digest"]) == (folder_fingerprint(ROOT / "weights" / "toy-s"),
+                                                         folder_digest(ROOT / "weights" / "toy-s"))
         _, cache = case["ks"](torch.tensor([p]), last=True)
         t = load_file(case["tmp"] / f"p{i}.kv")
         assert t["ids"].tolist() == p
@@ -232,6 +234,19 @@ def noisy_copy(src, dst, scale=0.01, seed=0):
     return dst
 
 
+def two_values_copy(src, dst):
+    """A copy of checkpoint folder src in dst with two values of model.layers.1.mlp.down_proj.weight moved by
+    1e-3, at [7, 3] and [13, 5]: outside the 8 middle columns its sampled id reads (tests/test_binding.py)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    t = load_file(dst / "model.safetensors")
+    t["model.layers.1.mlp.down_proj.weight"][7, 3] += 1e-3
+    t["model.layers.1.mlp.down_proj.weight"][13, 5] -= 1e-3
+    save_file(t, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def assert_own_prefill(case, p, out, what):
     """A fallback: the target engine's tokens and first-step logprobs are the target's own prefill."""
     ids = torch.tensor([p])
@@ -244,7 +259,8 @@ def assert_own_prefill(case, p, out, what):
 @pytest.mark.slow
 def test_fallbacks_run_the_targets_own_prefill(case):
     """A request whose KV file is missing or truncated, was saved by another model than the mapper's source, or by an
-    engine of the source's config whose weights differ (every tensor moved by 1% noise), holds another
+    engine of the source's config whose weights differ (every tensor moved by 1% noise, or two values of one
+    tensor by 1e-3, outside the values its sampled id reads), holds another
     prompt's tokens, or fails to load on the worker (KV of the wrong shape; a NaN in k.0; 1,024 values of
     v.1 at 1e30) runs the target's own prefill and says why in kv_transfer_params: status
     fallback_reprefill and the reason, the worker's included. Guards serving a mismatched or corrupt cache
@@ -254,25 +270,31 @@ def test_fallbacks_run_the_targets_own_prefill(case):
     p1, p2 = case["prompts"][1], case["prompts"][2]
     q1 = [p1[1]] + p1[1:]                                       # p1's length, another first token
     src_fp, src_w = mapper.src_cfg.fingerprint(), folder_fingerprint(ROOT / "weights" / "toy-s")
+    src_d = folder_digest(ROOT / "weights" / "toy-s")
     _, own_cache = kt(torch.tensor([p1]), last=True)
     save_kv(tmp / "other-model.kv", own_cache, p1, kt.config.fingerprint(), tok.fingerprint())
     _, src_cache = case["ks"](torch.tensor([p1]), last=True)
-    noisy = folder_fingerprint(noisy_copy(ROOT / "weights" / "toy-s", tmp / "toy-s-noisy"))  # as its engine records
-    save_kv(tmp / "other-weights.kv", src_cache, p1, src_fp, tok.fingerprint(), noisy)
+    noisy = noisy_copy(ROOT / "weights" / "toy-s", tmp / "toy-s-noisy")
+    save_kv(tmp / "other-weights.kv", src_cache, p1, src_fp, tok.fingerprint(), folder_fingerprint(noisy),
+            folder_digest(noisy))                                                      # as its engine records them
+    edited = two_values_copy(ROOT / "weights" / "toy-s", tmp / "toy-s-edited")
+    assert folder_fingerprint(edited) == src_w
+    save_kv(tmp / "two-values.kv", src_cache, p1, src_fp, tok.fingerprint(), src_w, folder_digest(edited))
     half = src_cache._map(lambda t: t[..., :t.shape[-1] // 2].contiguous(), time_fn=lambda t: t)  # D/2: unmappable
-    save_kv(tmp / "broken.kv", half, p1, src_fp, tok.fingerprint(), src_w)
+    save_kv(tmp / "broken.kv", half, p1, src_fp, tok.fingerprint(), src_w, src_d)
     nan = src_cache._map(lambda t: t.clone(), time_fn=lambda t: t)
     nan.keys[0].view(torch.int32)[:] = -1                        # its bytes overwritten: every value reads NaN
-    save_kv(tmp / "nan.kv", nan, p1, src_fp, tok.fingerprint(), src_w)
+    save_kv(tmp / "nan.kv", nan, p1, src_fp, tok.fingerprint(), src_w, src_d)
     huge = src_cache._map(lambda t: t.clone(), time_fn=lambda t: t)
     huge.values[1].view(-1)[:1024] = 1e30
-    save_kv(tmp / "huge.kv", huge, p1, src_fp, tok.fingerprint(), src_w)
+    save_kv(tmp / "huge.kv", huge, p1, src_fp, tok.fingerprint(), src_w, src_d)
     data = (tmp / "p1.kv").read_bytes()
     (tmp / "truncated.kv").write_bytes(data[:len(data) // 2])   # cut off between the save and the load
     cases = [(p1, tmp / "missing.kv", "not a readable KV file"),
              (p1, tmp / "truncated.kv", "is not a readable KV file"),
              (p1, tmp / "other-model.kv", "saved by another model"),
              (p1, tmp / "other-weights.kv", "saved by an engine whose weights"),
+             (p1, tmp / "two-values.kv", "saved by an engine whose weights"),
              (q1, tmp / "p1.kv", "other tokens than this prompt's"),
              (p1, tmp / "broken.kv", "the load failed on the worker ("),
              (p1, tmp / "nan.kv", "the load failed on the worker (source layer 0's keys are not finite)"),
@@ -365,12 +387,14 @@ def test_bf16_engines_equal_kvt_handoff_in_bf16(case):
 
 
 @pytest.mark.slow
-def test_a_target_with_other_weights_falls_back(case):
+@pytest.mark.parametrize("edit", ["noise", "two values"])
+def test_a_target_with_other_weights_falls_back(case, edit):
     """A target engine whose weights are not the mapper's target's (toy-m's config.json, every tensor moved
-    by 1% noise) serves every load as fallback_reprefill, naming its weights: guards a connector that
-    compares config fingerprints only and maps onto a fine-tune it was never fitted for."""
+    by 1% noise, or two values by 1e-3 outside those the sampled id reads) serves every load as
+    fallback_reprefill, naming its weights: guards a connector that compares config fingerprints only and
+    maps onto a fine-tune it was never fitted for, or one that compares sampled ids (the edit keeps them)."""
     tmp, p = case["tmp"], case["prompts"][1]
-    other = noisy_copy(ROOT / "weights" / "toy-m", tmp / "toy-m-noisy")
+    other = (noisy_copy if edit == "noise" else two_values_copy)(ROOT / "weights" / "toy-m", tmp / f"toy-m-{edit}")
     (out,) = engine(case["py"], "target", other, [{"ids": p, "load": str(tmp / "p1.kv")}], tmp,
                     "--mapper", str(tmp / "m.safetensors"), "--max-tokens", "2")
     verdict = out["kv_transfer_params"]["kvt"]

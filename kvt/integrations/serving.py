@@ -178,7 +178,7 @@ class KvtConnector(KVConnectorBase_V1):
         folder = vllm_config.model_config.model
         self.cfg, self.tokenizer = load_config(folder), load_tokenizer(folder).fingerprint()
         self.weights = folder_fingerprint(folder)                          # what a KV file or a mapper is bound to:
-        self.digest = folder_digest(folder)                                # every value, read once an engine
+        self.digest = folder_digest(folder)                                # its sampled id, and every value
         self.block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
         self.layout = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
