@@ -2,8 +2,9 @@
 
 The layout shows the architecture (tests/test_layout.py checks that the data flows one way):
   kvt/          the method, in the order to read it (README, "Reading order"): rope, cache, model,
-                capture, stats, ridge, mlp, mapper, calibrate, handoff; beside it the plumbing (config,
-                tokenizer, weights, loading) and fast.py, every speed trick as a tested twin
+                capture, stats, ridge, mlp, mapper, calibrate, handoff; then evals (an item's loglikelihood
+                and exact-match scoring) and bench (prefill against transfer, timed); beside them the
+                plumbing (config, tokenizer, weights, loading) and fast.py, every speed trick as a tested twin
   harness/      what turns the method into a command: calibration text, kvt's own files, the memory plan,
                 the calibration a command runs (checkpoints, resume, several GPUs), diagnostics and the
                 gate, tasks, retention, the bench, run.py's pipeline

@@ -16,7 +16,8 @@ of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
 
 Which path runs is one switch, the keyword `plain`, with one default everywhere: the fast twins.
 Three functions here branch on it: map_cache (Mapper.apply or apply), generate (model.generate or the
-reserved-cache one) and adder (stats.add_batches or add_batches); every function that calls them (handoff,
+reserved-cache one) and adder (stats.add_batches or add_batches); a fourth branch is handoff.take_over's, which
+runs the last token inside one_row_linears unless plain. Every function that calls them (handoff,
 take_over, diagnose, kvt.generate, evals' conditions, hf.transfer; calibrate in its Run) takes `plain=False`
 and passes it down. A Reserved cache brings its own attention (Reserved.attend), so the model's files hold no hook
 for it. The entry points (run.py, kvt bench, the serving connector, lm_eval) set plain=True for

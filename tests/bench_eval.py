@@ -19,7 +19,8 @@ import torch
 
 import kvt
 from kvt.harness import evals, tasks
-from kvt.harness.bench import Timing, hardware, per_round, random_mapper
+from kvt.bench import Timing, per_round
+from kvt.harness.bench import hardware, random_mapper
 
 
 def run_once(task_items, tok, conds, batch, max_new_tokens):

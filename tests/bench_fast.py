@@ -22,7 +22,8 @@ import torch
 
 import kvt
 from kvt import fast, stats
-from kvt.harness.bench import copier, hardware, last_step_bytes, median_times, random_mapper
+from kvt.bench import median_times
+from kvt.harness.bench import copier, hardware, last_step_bytes, random_mapper
 from kvt.cache import Cache
 from kvt.capture import capture
 from kvt.config import Config, shape

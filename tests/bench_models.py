@@ -22,7 +22,8 @@ import transformers as tf
 from torch.profiler import profile
 
 import kvt
-from kvt.harness.bench import Timing, hardware, per_round
+from kvt.bench import Timing, per_round
+from kvt.harness.bench import hardware
 from kvt.fast import generate, keep_freed_memory
 
 

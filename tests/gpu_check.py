@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import kvt
+import kvt.bench
 from kvt.harness import bench
 from kvt.config import parse_pair
 from kvt.harness.data import Calibration
@@ -44,16 +45,16 @@ def calibration_check(pair, device, dtype, n_seqs, length, k, scope):
     calib = Calibration(ids[:n_seqs], ids[n_seqs:n_seqs + 2], ids[n_seqs + 2:])
     with torch.no_grad():
         source(ids[:1].to(device), last=True), target(ids[:1].to(device), last=True)    # warm-up
-        bench.sync(device)
+        kvt.bench.sync(device)
         t0 = time.perf_counter()
         for row in calib.fit.to(device):
             source(row[None], last=True), target(row[None], last=True)
-        bench.sync(device)
+        kvt.bench.sync(device)
         forward = time.perf_counter() - t0
     t0 = time.perf_counter()
     mapper, report = calibrate(source, target, calib, scope=scope, k=k,
                                options=CalibrationOptions(stats_device=device, progress=False))
-    bench.sync(device)
+    kvt.bench.sync(device)
     total = time.perf_counter() - t0
     peak = bench.peak_memory_gb(device)
     return [f"{pair}, {bench.hardware(device)}, {dtype}",

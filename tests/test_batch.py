@@ -9,7 +9,8 @@ from conftest import ROOT, calib_of
 
 import kvt
 from kvt.harness import evals as E
-from kvt.harness import scoring, toy
+import kvt.evals
+from kvt.harness import toy
 from kvt.harness import tasks as T
 from kvt.harness.data import calibration_sequences
 from kvt.calibrate import calibrate
@@ -196,15 +197,15 @@ def test_contexts_scored_together_equal_each_alone():
     own context's rows) against each context alone, and left_pad's layout: padding first, no mask when
     nothing is padded. Guards: a continuation read from another context's cache row, or padding that
     leaks into the scores."""
-    ids, mask = scoring.left_pad([[5, 6, 7], [8]])
+    ids, mask = kvt.evals.left_pad([[5, 6, 7], [8]])
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[True] * 3, [False, False, True]]
-    assert scoring.left_pad([[1, 2], [3, 4]])[1] is None
+    assert kvt.evals.left_pad([[1, 2], [3, 4]])[1] is None
     from conftest import tiny_config
     model = kvt.build_model(tiny_config("qwen3"), seed=3, std=0.2)
     pairs = [([5, 17, 99, 23, 8, 64, 1], [[40], [7, 7, 120, 3], [88, 2]]), ([9, 4], [[11, 12, 13], [1]]),
              ([100, 2, 3, 4, 5], [[6]])]
-    for pair, (lls, greedy) in zip(pairs, scoring.loglikelihoods(model, pairs)):
-        [(want, want_greedy)] = scoring.loglikelihoods(model, [pair])
+    for pair, (lls, greedy) in zip(pairs, kvt.evals.loglikelihoods(model, pairs)):
+        [(want, want_greedy)] = kvt.evals.loglikelihoods(model, [pair])
         assert max(abs(a - b) for a, b in zip(lls, want)) <= TOL and greedy == want_greedy
 
 

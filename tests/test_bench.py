@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import kvt
+from kvt import bench as K
 from kvt.harness import bench as B
-from kvt.harness.bench import bench, bench_lean, random_mapper, token_ids, transfer_step
+from kvt.bench import token_ids, transfer_step
+from kvt.harness.bench import bench, bench_lean, random_mapper
 from kvt.handoff import Recompute, handoff
 from kvt.harness.plan import forward_flops
 from tests.conftest import tiny_config
@@ -25,6 +27,30 @@ def test_the_timed_transfer_is_a_handoff():
     want_logits, want = handoff(small, large, fwd, ids[:, :12])
     assert torch.allclose(logits, want_logits, atol=1e-5) and len(got) == len(want) == 12
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.keys + got.values, want.keys + want.values))
+
+
+def test_prefill_vs_transfer_times_the_targets_prefill_against_the_handoff(monkeypatch):
+    """kvt.bench.prefill_vs_transfer, the readable bench: at each length it times the target's own prefill of n
+    tokens and the handoff from the source's cache of n - 1 (a crop of one prefill), in the same rounds, and
+    gives their ratio. Guards: timing the source's prefill instead of the target's, mapping the whole cache
+    at every length, and a speedup that is not prefill / transfer."""
+    small, large = kvt.build_model(SMALL, seed=0), kvt.build_model(LARGE, seed=1)
+    fwd = random_mapper(SMALL, LARGE, k=2)
+    seen, real_take_over, real_forward = [], K.take_over, type(large).forward
+    monkeypatch.setattr(K, "take_over", lambda target, mapper, cache, *a, **kw:
+                        seen.append(("transfer", target, len(cache))) or real_take_over(target, mapper, cache, *a, **kw))
+    monkeypatch.setattr(type(large), "forward", lambda self, ids, *a, **kw:
+                        seen.append(("forward", self, ids.shape[1])) or real_forward(self, ids, *a, **kw))
+    rows = K.prefill_vs_transfer(small, large, fwd, lengths=(16, 24), repeats=2)
+    assert [r["tokens"] for r in rows] == [16, 24]
+    for r in rows:
+        n = r["tokens"]
+        assert len(r["target_prefill_s"].times) == len(r["transfer_s"].times) == 2       # after a warm-up round
+        assert r["speedup"] == pytest.approx(r["target_prefill_s"] / r["transfer_s"])
+        assert r["speedup_per_round"] == K.per_round(r["target_prefill_s"], r["transfer_s"])
+        assert seen.count(("forward", large, n)) == 3                                  # the target's prefill, 3 rounds
+        assert seen.count(("transfer", large, n - 1)) == 3                             # the handoff of n - 1 slots
+    assert ("forward", small, 23) in seen and not [s for s in seen if s[0] == "forward" and s[1] is small and s[2] != 23]
 
 
 def test_the_timed_mapping_is_the_transfer_before_its_last_step():
@@ -50,9 +76,9 @@ def test_rate_limit_prices_the_map_at_the_prefills_flop_rate():
     at_rate = prefill * 2 * fwd.n_params() * (n - 1) / forward_flops(LARGE, n, last=True)  # the map's FLOPs at that rate
 
     def row(map_s):
-        return B.rows({"s": {n: B.Timing([1.0])}, "l": {n: B.Timing([prefill])}},
-                      {("s", "l"): {n: B.Timing([map_s + last])}}, {("s", "l"): fwd}, "cpu",
-                      mapping={("s", "l"): {n: B.Timing([map_s])}})[0]
+        return B.rows({"s": {n: K.Timing([1.0])}, "l": {n: K.Timing([prefill])}},
+                      {("s", "l"): {n: K.Timing([map_s + last])}}, {("s", "l"): fwd}, "cpu",
+                      mapping={("s", "l"): {n: K.Timing([map_s])}})[0]
     same, slow = row(at_rate), row(2 * at_rate)
     assert same["rate_limit"] == pytest.approx(same["speedup"])
     assert slow["rate_limit"] == pytest.approx(same["speedup"]) and slow["speedup"] < same["speedup"]
@@ -72,8 +98,8 @@ def test_last_step_bytes_are_what_one_token_reads(tied):
     embedding = 0 if tied else model.model.embed_tokens.weight.nbytes
     want = weights - embedding + sum(k.nbytes + v.nbytes for k, v in zip(cache.keys, cache.values))
     assert B.last_step_bytes(cfg, T, 2) == want
-    fwd, prefill = random_mapper(SMALL, cfg, k=2), B.Timing([10.0, 10.0, 10.0])
-    transfer, mapping = B.Timing([0.32, 0.5, 0.4]), B.Timing([0.3, 0.3, 0.38])  # last steps 0.02, 0.2, 0.02
+    fwd, prefill = random_mapper(SMALL, cfg, k=2), K.Timing([10.0, 10.0, 10.0])
+    transfer, mapping = K.Timing([0.32, 0.5, 0.4]), K.Timing([0.3, 0.3, 0.38])  # last steps 0.02, 0.2, 0.02
     row = B.rows({"s": {T: prefill}, "l": {T: prefill}}, {("s", "l"): {T: transfer}}, {("s", "l"): fwd}, "cpu",
                  mapping={("s", "l"): {T: mapping}}, itemsize={("s", "l"): 2})[0]
     assert row["last_gbs"] == pytest.approx(want / 0.02 / 1e9)
@@ -83,7 +109,7 @@ def test_the_last_step_is_timed_round_by_round():
     """last_step_s takes each round's transfer minus that round's map: transfers 1.0, 2.0, 1.5 and maps
     0.9, 1.1, 1.4 give steps 0.1, 0.9, 0.1, median 0.1, where the difference of the medians (1.5 - 1.1)
     and pairs of sorted runs (0.1, 0.4, 0.6) both give 0.4. Guards: either of those."""
-    assert B.last_step_s(B.Timing([1.0, 2.0, 1.5]), B.Timing([0.9, 1.1, 1.4])) == pytest.approx(0.1)
+    assert B.last_step_s(K.Timing([1.0, 2.0, 1.5]), K.Timing([0.9, 1.1, 1.4])) == pytest.approx(0.1)
 
 
 def test_copy_rate_counts_bytes_read_and_written():
@@ -94,8 +120,8 @@ def test_copy_rate_counts_bytes_read_and_written():
     copy, moved = B.copier("cpu", mib=8)
     assert moved == 2 * 8 * 2**20 and copy().eq(1).all()
     fwd, n = random_mapper(SMALL, LARGE, k=2), 16
-    row = B.rows({"s": {n: B.Timing([1.0])}, "l": {n: B.Timing([10.0])}}, {("s", "l"): {n: B.Timing([0.5])}},
-                 {("s", "l"): fwd}, "cpu", copies={("s", "l"): {n: (B.Timing([0.25]), moved)}})[0]
+    row = B.rows({"s": {n: K.Timing([1.0])}, "l": {n: K.Timing([10.0])}}, {("s", "l"): {n: K.Timing([0.5])}},
+                 {("s", "l"): fwd}, "cpu", copies={("s", "l"): {n: (K.Timing([0.25]), moved)}})[0]
     assert row["copy_gbs"] == pytest.approx(moved / 0.25 / 1e9)
 
 
@@ -106,11 +132,11 @@ def test_roofline_prices_the_map_at_the_prefills_rate_and_the_last_step_at_the_c
     rate limit, which hides its shortfall), or a round's fraction taken from another round's times."""
     cfg, fwd, n = LARGE, random_mapper(SMALL, LARGE, k=2), 16
     moved, last = 2 * 2**20, B.last_step_bytes(LARGE, n, 4)
-    prefill, copy = B.Timing([10.0, 20.0, 12.0]), B.Timing([1e-3, 3e-3, 2e-3])
+    prefill, copy = K.Timing([10.0, 20.0, 12.0]), K.Timing([1e-3, 3e-3, 2e-3])
     share = 2 * fwd.n_params() * (n - 1) / forward_flops(cfg, n, last=True)              # map FLOPs / prefill FLOPs
 
     def row(slow):
-        transfer = B.Timing([p * share + slow * last * c / moved for p, c in zip(prefill.times, copy.times)])
+        transfer = K.Timing([p * share + slow * last * c / moved for p, c in zip(prefill.times, copy.times)])
         return B.rows({"s": {n: prefill}, "l": {n: prefill}}, {("s", "l"): {n: transfer}}, {("s", "l"): fwd}, "cpu",
                       itemsize={("s", "l"): 4}, copies={("s", "l"): {n: (copy, moved)}})[0]
     at, slow = row(1), row(2)
@@ -151,11 +177,11 @@ def test_median_time_drops_the_warm_up_and_takes_the_median(monkeypatch):
     """A fake clock: runs take 9 (warm-up), 1, 5 and 3 seconds. Guards: the warm-up counted (median of
     all four would be 4) or the mean taken (3)."""
     clock, durations = [0.0], iter([9.0, 1.0, 5.0, 3.0])
-    monkeypatch.setattr(B.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(K.time, "perf_counter", lambda: clock[0])
 
     def run():
         clock[0] += next(durations)
-    t = B.median_time(run, "cpu", repeats=3)
+    t = K.median_time(run, "cpu", repeats=3)
     assert t == 3.0 and (t.min, t.max) == (1.0, 5.0)
 
 
@@ -169,8 +195,8 @@ def test_median_times_takes_its_runs_in_turn(monkeypatch):
     def run(name, base):
         calls.append(name)
         clock[0] += base * len(calls)
-    monkeypatch.setattr(B.time, "perf_counter", lambda: clock[0])
-    a, b = B.median_times([lambda: run("a", 1.0), lambda: run("b", 2.0)], "cpu", repeats=3)
+    monkeypatch.setattr(K.time, "perf_counter", lambda: clock[0])
+    a, b = K.median_times([lambda: run("a", 1.0), lambda: run("b", 2.0)], "cpu", repeats=3)
     assert calls == ["a", "b"] * 4 and (a, b) == (5.0, 12.0)
 
 
@@ -178,7 +204,7 @@ def test_per_round_divides_the_runs_of_each_round():
     """Round by round, a took 10, 30, 20 s and b 1, 3, 4 s: ratios 10, 10, 5. Guards: pairing the runs
     out of their rounds (sorted, the ratios would be 10, 6.7, 7.5: median 7.5) or dividing the medians
     (20 / 3 = 6.7)."""
-    assert B.per_round(B.Timing([10.0, 30.0, 20.0]), B.Timing([1.0, 3.0, 4.0])) == (10.0, 5.0, 10.0)
+    assert K.per_round(K.Timing([10.0, 30.0, 20.0]), K.Timing([1.0, 3.0, 4.0])) == (10.0, 5.0, 10.0)
 
 
 def test_bench_and_bench_lean_time_the_same_things():

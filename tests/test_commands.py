@@ -134,7 +134,7 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"python -m kvt\.harness\.toy train --out weights",
      Run(r"^toy-s +\d+ +20 ", ("toy/toy-s/model.safetensors",),
          {"--out": "toy", "--members": "toy-s", "--max-steps": "20"})),
-    (r"(kvt |python -m kvt\.harness\.)plan .*",
+    (r"(kvt plan|python -m kvt\.harness\.costs) .*",
      Run(r"^(memory plan: \S+ -> \S+ on \d+ x H[12]00 |qwen3-14b:32b: GiB the fullest device needs)")),
     (r"python -m kvt\.teach\.course list", Run(r"^rope: .*, 12 points$")),
     (r"python -m kvt\.teach\.course make --assignment rope --out hw1",

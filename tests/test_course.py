@@ -186,12 +186,12 @@ def test_ridge_without_centering_costs_eigens_points(solutions, tmp_path, capsys
 def test_scoring_off_by_one_costs_its_points(solutions, tmp_path, capsys):
     """Guards: scoring each continuation token with the logits at its own position (which predict the
     next token) instead of the position before it, passing."""
-    folder = plant(solutions, tmp_path, "evals", "kvt/harness/scoring.py",
+    folder = plant(solutions, tmp_path, "evals", "kvt/evals.py",
                    "logits, _ = model(cont[:, :-1], cache=cache.expand(n) if len(pairs) == 1 else cache.select(rows))\n"
                    "        pred = torch.cat([pred, logits], 1)",
                    "logits, _ = model(cont, cache=cache.expand(n) if len(pairs) == 1 else cache.select(rows))\n"
                    "        pred = logits")
-    assert_costs_exactly(folder, "scoring.loglikelihoods", capsys)
+    assert_costs_exactly(folder, "evals.loglikelihoods", capsys)
 
 
 def test_mapped_keys_without_the_targets_rope_cost_applys_points(solutions, tmp_path, capsys):
@@ -284,8 +284,8 @@ class K:
 def h():
     return 4
 ''', out
-    scoring = (course.KVT / "harness" / "scoring.py").read_text()
-    stubbed = course.stub(scoring, [f for f in course.ASSIGNMENTS["evals"].functions if f.module == "scoring"])
+    scoring = (course.KVT / "evals.py").read_text()
+    stubbed = course.stub(scoring, [f for f in course.ASSIGNMENTS["evals"].functions if f.module == "evals"])
     assert "Off by one" in scoring and "Off by one" not in stubbed
     assert "@torch.no_grad()\ndef loglikelihoods(model, pairs, via=None):\n" in stubbed
     before, after = ({n.name: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)}

@@ -11,7 +11,7 @@ from conftest import SHARED, SMOLLM2, calib_of, function_preserving_twin, tiny_c
 import kvt
 from kvt.harness import answers as A
 from kvt.harness import evals as E
-from kvt.harness import scoring
+import kvt.evals
 from kvt.harness import summary as S
 from kvt.harness import tasks as T
 from kvt.config import KvtError
@@ -46,7 +46,7 @@ def test_scoring_from_cache_equals_one_pass(family):
     model = tiny(family)
     ctx = [5, 17, 99, 23, 8, 64, 1]
     conts = [[40], [7, 7, 120, 3], [88, 2], [11, 12, 13, 14, 15, 16]]  # lengths 1..6: right padding
-    [(lls, greedy)] = scoring.loglikelihoods(model, [(ctx, conts)])
+    [(lls, greedy)] = kvt.evals.loglikelihoods(model, [(ctx, conts)])
     for cont, ll, g in zip(conts, lls, greedy):
         logits, _ = model(torch.tensor([ctx + cont]))                 # (1, T + Tc, V)
         logp = logits[0, len(ctx) - 1:-1].float().log_softmax(-1)     # positions predicting cont
@@ -66,29 +66,29 @@ def test_scoring_uses_the_given_prefill():
         logits, cache = model(ids[:, 4:], cache=cache)
         return logits[:, -1], cache
 
-    own = scoring.loglikelihoods(model, [(ctx, conts)])[0][0]
-    assert torch.allclose(torch.tensor(scoring.loglikelihoods(model, [(ctx, conts)], chunked)[0][0]),
+    own = kvt.evals.loglikelihoods(model, [(ctx, conts)])[0][0]
+    assert torch.allclose(torch.tensor(kvt.evals.loglikelihoods(model, [(ctx, conts)], chunked)[0][0]),
                           torch.tensor(own), atol=1e-4)
-    other = scoring.loglikelihoods(model, [(ctx, conts)], lambda ids: scoring.prefill(model, ids.flip(1)))[0][0]
+    other = kvt.evals.loglikelihoods(model, [(ctx, conts)], lambda ids: kvt.evals.prefill(model, ids.flip(1)))[0][0]
     assert max(abs(a - b) for a, b in zip(own, other)) > 1e-3
 
 
 def test_mc_metrics_hand_built():
     choices = ["a long answer", "b", "cc"]   # lengths 13, 1, 2
-    m = scoring.mc_metrics([-10.0, -9.0, -12.0], choices, gold=0)
+    m = kvt.evals.mc_metrics([-10.0, -9.0, -12.0], choices, gold=0)
     # acc: -9 is the largest; acc_norm: -10/13 = -0.77 beats -9/1 and -12/2 = -6
     assert (m["pred"], m["pred_norm"], m["acc"], m["acc_norm"]) == (1, 0, 0.0, 1.0)
-    assert scoring.mc_metrics([-1.0, -1.0, -3.0], ["x", "y", "z"], gold=1)["pred"] == 0  # ties: first, as np.argmax
+    assert kvt.evals.mc_metrics([-1.0, -1.0, -3.0], ["x", "y", "z"], gold=1)["pred"] == 0  # ties: first, as np.argmax
     # the harness divides by len(choice), characters: -4.4/4 < -3/3 (by UTF-8 bytes it would be -4.4/8 > -1)
-    assert scoring.mc_metrics([-4.4, -3.0], ["\u00e9\u00e9\u00e9\u00e9", "abc"], gold=1)["pred_norm"] == 1
+    assert kvt.evals.mc_metrics([-4.4, -3.0], ["\u00e9\u00e9\u00e9\u00e9", "abc"], gold=1)["pred_norm"] == 1
 
 
 def test_encode_pair_moves_trailing_space():
     """Bugs: a trailing space left on the context; an empty context made of EOS instead of the harness's
     prefix token (BOS where the tokenizer names one), for scoring and for generation alike."""
     tok = CharTok()
-    assert scoring.encode_pair(tok.encode, "Answer: ", "B", tok.prefix_id) == (tok.encode("Answer:"), tok.encode(" B"))
-    assert scoring.encode_pair(tok.encode, "", " end", tok.prefix_id) == ([tok.prefix_id], tok.encode(" end"))
+    assert kvt.evals.encode_pair(tok.encode, "Answer: ", "B", tok.prefix_id) == (tok.encode("Answer:"), tok.encode(" B"))
+    assert kvt.evals.encode_pair(tok.encode, "", " end", tok.prefix_id) == ([tok.prefix_id], tok.encode(" end"))
     model, seen = tiny(), []
 
     def spy(ids):  # a prefill that notes what it was asked to read

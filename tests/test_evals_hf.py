@@ -27,7 +27,7 @@ from conftest import SHARED, SMOLLM2 as CKPT
 import kvt
 from kvt.harness import evals as E
 from kvt.harness import tasks
-from kvt.harness.scoring import mc_metrics
+from kvt.evals import mc_metrics
 from kvt.harness.summary import summarize
 
 DATA = SHARED / "data"

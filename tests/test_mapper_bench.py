@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvt
-from kvt.harness.bench import median_times
+from kvt.bench import median_times
 from kvt.cache import Cache
 from kvt.capture import capture
 from kvt.config import Config

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvt
+from kvt import bench as K
 from kvt.harness import bench as B
 from kvt.harness import pipeline as run
 from kvt.harness.report import write_atomic
@@ -23,9 +24,9 @@ def test_a_last_step_shorter_than_the_noise_gets_a_dash_not_a_negative_rate():
     transfer took less than its map (noise on loaded cores). A rate is never negative: both are None in
     the row, a dash in the table, with a line saying why."""
     fwd, n = random_mapper(SMALL, LARGE, k=2), 16
-    row = B.rows({"s": {n: B.Timing([1.0, 1.0, 1.0])}, "l": {n: B.Timing([10.0, 10.0, 10.0])}},
-                 {("s", "l"): {n: B.Timing([0.30, 0.31, 0.29])}}, {("s", "l"): fwd}, "cpu",
-                 mapping={("s", "l"): {n: B.Timing([0.32, 0.30, 0.33])}}, itemsize={("s", "l"): 4})[0]
+    row = B.rows({"s": {n: K.Timing([1.0, 1.0, 1.0])}, "l": {n: K.Timing([10.0, 10.0, 10.0])}},
+                 {("s", "l"): {n: K.Timing([0.30, 0.31, 0.29])}}, {("s", "l"): fwd}, "cpu",
+                 mapping={("s", "l"): {n: K.Timing([0.32, 0.30, 0.33])}}, itemsize={("s", "l"): 4})[0]
     assert row["last_gbs"] is None and row["rate_limit"] is None
     table = B.format_rows([row])
     header, _, cells = (line.split(" | ") for line in table.splitlines()[:3])

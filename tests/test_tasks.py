@@ -12,7 +12,8 @@ from conftest import SHARED, tiny_config
 import kvt
 from kvt.harness import pipeline as run
 from kvt.harness import evals as E
-from kvt.harness import scoring, toy
+import kvt.evals
+from kvt.harness import toy
 from kvt.harness import summary as S
 from kvt.harness import tasks as T
 from kvt.config import KvtError
@@ -328,13 +329,13 @@ def test_lm_eval_results_layout():
 
 def test_toy_trainer_scores_as_the_evals(tiny_pair, monkeypatch):
     """toy.choice_accuracy (the trainer's held-out recall and toy_train.json) and the evals' toy_recall
-    call the one scorer, kvt.harness.scoring.score_choice_batch (score_choices is its batch of one), with the same
+    call the one scorer, kvt.evals.score_choice_batch (score_choices is its batch of one), with the same
     contexts, choices and golds, so they give the same accuracy, with the context (target) and without it
     (floor). Guards: a second scorer in toy.py or evals.py, and the two floors that differed (the text after
     the last " . " against after the last ".")."""
     model, tok = kvt.load_model(tiny_pair / "source"), kvt.load_tokenizer(tiny_pair / "source")
-    calls, real = [], scoring.score_choice_batch
-    monkeypatch.setattr(scoring, "score_choice_batch",
+    calls, real = [], kvt.evals.score_choice_batch
+    monkeypatch.setattr(kvt.evals, "score_choice_batch",
                         lambda model, encode, items, *a: calls.extend(items) or real(model, encode, items, *a))
     records, items = toy.toy_tasks("recall", 12), T.load_task("toy_recall", None, n=12)
     for context, cond in [(True, "target"), (False, "floor")]:

@@ -1,21 +1,16 @@
 """Answer extraction and text metrics: how a generated answer is compared with the gold one.
 
-    stripped_match(output, gold)  the default of generate_until tasks: the stripped text equals the gold
     gsm8k_score(output, gold)     gsm8k-cot.yaml's two filters (strict "The answer is N.", flexible: the
                                   last number), each followed by its exact_match
     token_f1, exact_match         SQuAD's, on normalized answers; coqa_f1 / coqa_em add the harness's
                                   leave-one-out over several gold answers (coqa/utils.py compute_scores)
-A generate_until task's `score` is any function (output, gold) -> {metric: value} (kvt/harness/tasks.py).
+A generate_until task's `score` is any function (output, gold) -> {metric: value} (kvt/harness/tasks.py);
+the default, kvt.evals.stripped_match, is the stripped text equal to the gold.
 """
 import re
 import string
 from collections import Counter
 from functools import partial
-
-
-def stripped_match(output, gold):
-    """Exact match of the output, stripped of surrounding whitespace (the toy tasks)."""
-    return {"em": float(output.strip() == gold)}
 
 
 # ---------------------------------------------------------------------------------------- gsm8k

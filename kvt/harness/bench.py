@@ -1,5 +1,7 @@
-"""Prefill vs transfer: how long the target takes to rebuild a context's KV itself, and how long the
-mapper takes to hand it over from the source's cache. Both are timed in one process, side by side.
+"""Prefill vs transfer, the full table: how long the target takes to rebuild a context's KV itself, and how
+long the mapper takes to hand it over from the source's cache. Both are timed in one process, side by side,
+by kvt/bench.py's timing (warm-up, medians, rounds in turn: time_side_by_side); this adds what explains the
+speedup (the map alone, the copy rate, the roofline), recompute budgets, both directions and the command.
 
     rows = bench(small, large, mapper_fwd, mapper_back, lengths=[512, 1024, 2048, 4096])
 
@@ -35,16 +37,15 @@ import argparse
 import json
 import resource
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from kvt.bench import median_time, per_round, time_side_by_side, token_ids, transfer_step
 from kvt.config import KvtError, at_least, command, parse_pair, plain_requested, shape
 from kvt.harness.dist import check_devices
 from kvt.fast import keep_freed_memory, map_cache
-from kvt.handoff import Recompute, take_over
 from kvt.mapper import Mapper
 from kvt.loading import build_model, layer_devices
 from kvt.harness.plan import forward_flops, n_params, transfer_flops
@@ -118,54 +119,12 @@ def random_mapper(src_cfg, tgt_cfg, scope="layer", k=8, dtype=torch.float32, dev
     # host, as a fitted mapper's do: apply reads them with .tolist(), a host sync per read if on a GPU
 
 
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-class Timing(float):
-    """A median time in seconds (it is that float) that also keeps every run, the fastest and the slowest."""
-    def __new__(cls, times):
-        t = super().__new__(cls, statistics.median(times))
-        t.times, t.min, t.max = list(times), min(times), max(times)
-        return t
-
-
-def per_round(a, b):
-    """a / b round by round: (median, min, max) of a.times[i] / b.times[i], for two Timings taken in turn
-    by median_times. A shared host that slows down for a while slows both runs of a round alike, where
-    a / b, the ratio of the two medians, may divide a run taken in a slow spell by one taken in a fast one."""
-    ratios = [x / y for x, y in zip(a.times, b.times, strict=True)]
-    return statistics.median(ratios), min(ratios), max(ratios)
-
-
 def last_step_s(transfer, mapping):
     """The time of a transfer's last step, for two Timings taken in turn (median_times): the median
     over rounds of that round's transfer minus its map. The difference of the two medians would set a
     transfer from one round against a map from another, and a small difference of large, noisy
     times moves with every round the host slows down."""
     return statistics.median(x - y for x, y in zip(transfer.times, mapping.times, strict=True))
-
-
-def median_time(fn, device, repeats):
-    """Median wall time of fn() over `repeats` runs, after one warm-up run (a Timing: .min, .max too)."""
-    return median_times([fn], device, repeats)[0]
-
-
-def median_times(fns, device, repeats):
-    """median_time of several fns taken in turn: a warm-up round, then `repeats` rounds that run each fn
-    once. A shared host whose speed drifts during a run then moves them all alike, so their ratios hold
-    where their absolute times do not."""
-    times = [[] for _ in fns]
-    for i in range(repeats + 1):
-        for fn, ts in zip(fns, times):
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            if i:  # round 0 warms up caches, allocator and kernels
-                ts.append(time.perf_counter() - start)
-    return [Timing(ts) for ts in times]
 
 
 def reset_peak_memory(device):
@@ -193,13 +152,6 @@ def peak_memory_gb(device):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def token_ids(lengths, vocab_size, device, seed=0):
-    """(1, max(lengths)) random token ids. The context of length n is its first n tokens, so the cache of
-    the longest context, cropped, is the cache of every shorter one (a causal model's KV at t sees <= t)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (1, max(lengths)), generator=g).to(device)
-
-
 @torch.no_grad()
 def prefills(model, ids, lengths, repeats, name=""):
     """({n: median seconds of the prefill of ids[:, :n]}, the model's cache of all but the last token)."""
@@ -207,15 +159,6 @@ def prefills(model, ids, lengths, repeats, name=""):
     for n in tqdm(lengths, desc=f"prefill {name}", unit="length"):
         times[n] = median_time(lambda: model(ids[:, :n], last=True), device, repeats)
     return times, model(ids[:, :-1], last=True)[1]
-
-
-def transfer_step(target, mapper, cache, ids, n, frac=0.0, plain=False):
-    """The timed part of a handoff of ids[:, :n]: handoff.take_over on the source's cache of the first
-    n - 1 tokens (a crop of `cache`), the target recomputing the last `frac` of those slots (if any) and
-    running token n itself (plain: take_over's). Returns its logits and cache."""
-    slots = Recompute(frac=frac, by="suffix").slots(n - 1) if frac else None
-    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], slots=slots,
-                     slot_ids=None if slots is None else ids[:, slots], plain=plain)
 
 
 def map_step(target, mapper, cache, ids, n, plain=False):
@@ -320,12 +263,11 @@ def bench_lean(build, names, fwd, back=None, lengths=(512, 1024, 2048, 4096), re
         transfer[src, tgt], mapping[src, tgt], copies[src, tgt] = {}, {}, {}
         recompute[src, tgt], itemsize[src, tgt] = {f: {} for f in fracs}, next(target.parameters()).element_size()
         for n in tqdm(lengths, desc=f"{src} -> {tgt}: prefill, transfer", unit="length"):
-            fns = [lambda: target(ids[:, :n], last=True), lambda: transfer_step(target, mapper, cache, ids, n, 0, plain),
-                   lambda: map_step(target, mapper, cache, ids, n, plain), copy]
-            fns += [lambda f=f: transfer_step(target, mapper, cache, ids, n, f, plain) for f in fracs]
-            fns += [lambda: transfer_step(target, mapper, cache, ids, n, plain=True)] if both else []
+            also = [lambda: map_step(target, mapper, cache, ids, n, plain), copy]     # in the same rounds
+            also += [lambda f=f: transfer_step(target, mapper, cache, ids, n, f, plain) for f in fracs]
+            also += [lambda: transfer_step(target, mapper, cache, ids, n, plain=True)] if both else []
             prefill.setdefault(tgt, {})[n], transfer[src, tgt][n], mapping[src, tgt][n], copy_s, *rc = \
-                median_times(fns, device, repeats)
+                time_side_by_side(target, mapper, cache, ids, n, repeats, also, plain)
             copies[src, tgt][n] = copy_s, copy_bytes
             if both:
                 plain_s.setdefault((src, tgt), {})[n] = rc.pop()

@@ -39,7 +39,8 @@ import torch
 from tqdm import tqdm
 
 from kvt import fast
-from kvt.harness import scoring, tasks
+import kvt.evals
+from kvt.harness import tasks
 from kvt.harness.answers import coqa_em, coqa_f1
 from kvt.config import KvtError
 from kvt.handoff import Recompute, handoff
@@ -56,7 +57,7 @@ class Condition:
     plain: bool = False     # fast.generate's: decode with model.generate, not its fast twin
 
     def __call__(self, ids, mask=None):
-        return scoring.prefill(self.model, ids, self.prefill, mask)  # (B, V), cache
+        return kvt.evals.prefill(self.model, ids, self.prefill, mask)  # (B, V), cache
 
     @property
     def batched(self):
@@ -98,9 +99,9 @@ def _device(model):
 # ------------------------------------------------------------------------------ loglikelihood
 
 def score_choice(cond, tok, items, task):
-    """multiple_choice: kvt.harness.scoring.score_choice_batch, the scorer toy.choice_accuracy uses too."""
+    """multiple_choice: kvt.evals.score_choice_batch, the scorer toy.choice_accuracy uses too."""
     triples = [(item.floor if cond.floor else item.context, item.choices, item.gold) for item in items]
-    return scoring.score_choice_batch(cond.model, tok.encode, triples, tok.prefix_id, cond.prefill)
+    return kvt.evals.score_choice_batch(cond.model, tok.encode, triples, tok.prefix_id, cond.prefill)
 
 
 def score_inputs(cond, tok, items, task):
@@ -113,13 +114,13 @@ def score_inputs(cond, tok, items, task):
             contexts = item.floor if isinstance(item.floor, list) else [item.floor] * len(item.choices)
         per_item.append(contexts)
         for context in contexts:
-            ctx, cont = scoring.encode_pair(tok.encode, context, " " + item.continuation, tok.prefix_id)
+            ctx, cont = kvt.evals.encode_pair(tok.encode, context, " " + item.continuation, tok.prefix_id)
             pairs.append((ctx, [cont]))
-    results = iter(scoring.loglikelihoods(cond.model, pairs, cond.prefill))
+    results = iter(kvt.evals.loglikelihoods(cond.model, pairs, cond.prefill))
     out = []
     for item, contexts in zip(items, per_item):
         lls = [next(results)[0][0] for _ in contexts]
-        m = scoring.mc_metrics(lls, contexts, item.gold)
+        m = kvt.evals.mc_metrics(lls, contexts, item.gold)
         out.append({"gold": item.gold, "lls": lls, "pred": m["pred"], "acc": m["acc"]})
     return out
 
@@ -131,12 +132,12 @@ def score_rolling(cond, tok, items, task):
     for item in items:
         prefix = item.context.rstrip()
         text = item.context[len(prefix):] + item.continuation  # the prefix's trailing space belongs to the text
-        ctx, cont = scoring.encode_pair(tok.encode, item.floor if cond.floor else prefix, text, tok.prefix_id)
+        ctx, cont = kvt.evals.encode_pair(tok.encode, item.floor if cond.floor else prefix, text, tok.prefix_id)
         if not cont:
             raise KvtError(f"{task.name} item {item.id}: no text to score after the prefix (Item.continuation)")
         pairs.append((ctx, [cont]))
         texts.append(text)
-    results = scoring.loglikelihoods(cond.model, pairs, cond.prefill)
+    results = kvt.evals.loglikelihoods(cond.model, pairs, cond.prefill)
     return [{"ll": lls[0], "tokens": len(conts[0]), "words": len(re.split(r"\s+", text)), "bytes": len(text.encode("utf-8"))}
             for (_, conts), text, (lls, _) in zip(pairs, texts, results)]
 
@@ -151,7 +152,7 @@ def generate_until(cond, tok, contexts, until, max_new_tokens, logprobs=None):
     context (or one for a string), filled with the log-probability of each generated token."""
     if isinstance(contexts, str):
         return generate_until(cond, tok, [contexts], until, max_new_tokens, None if logprobs is None else [logprobs])[0]
-    ids, mask = scoring.left_pad([tok.encode(c) or [tok.prefix_id] for c in contexts], _device(cond.model))
+    ids, mask = kvt.evals.left_pad([tok.encode(c) or [tok.prefix_id] for c in contexts], _device(cond.model))
     last, cache = cond(ids, mask)                                        # (B, V)
     outs = cond.generate(last, cache, max_new_tokens, stop_ids=tok.stop_ids, stop=until,
                     decode=tok.decode, logprobs=logprobs)
@@ -212,7 +213,7 @@ def converse(cond, tok, convs, start=2, max_new_tokens=64):
     model, dev = cond.model, _device(cond.model)
     pieces = [tasks.coqa_segments(conv) for conv in convs]
     prompts = [tok.encode(p[0]) + [i for q in p[1:start] for i in tok.encode(q, special=False)] for p in pieces]
-    last, cache = cond(*scoring.left_pad(prompts, dev))                  # (B, V)
+    last, cache = cond(*kvt.evals.left_pad(prompts, dev))                  # (B, V)
     answers = [[] for _ in convs]
     turns = max(len(p) for p in pieces)
     for t in range(start, turns + 1):
@@ -223,7 +224,7 @@ def converse(cond, tok, convs, start=2, max_new_tokens=64):
             if t <= len(pieces[b]):
                 answers[b].append(tok.decode(out).split("\nQ:")[0].strip().split("\n")[0])
         if t < turns:
-            nxt, mask = scoring.left_pad([tok.encode(p[t], special=False) if t < len(p) else [] for p in pieces], dev)
+            nxt, mask = kvt.evals.left_pad([tok.encode(p[t], special=False) if t < len(p) else [] for p in pieces], dev)
             logits, cache = model(nxt, cache=cache, mask=mask)          # (B, Tp, V)
             last = logits[:, -1]
     return answers

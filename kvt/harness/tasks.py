@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import kvt.evals
 from kvt.harness import answers, toy
 from kvt.config import KvtError
 
@@ -151,7 +152,7 @@ class Task:
     metrics: tuple = ()        # what summarize reports; () -> KINDS[kind]
     primary: str = ""          # the metric average_retention reads; "" -> metrics[0]
     sources: tuple = ()        # a Source per data file
-    score: object = None       # generate_until: (output, gold) -> {metric: value}; None: stripped_match
+    score: object = None       # generate_until: (output, gold) -> {metric: value}; None: kvt.evals.stripped_match
     max_new_tokens: int = 32   # generate_until and coqa: the longest answer
 
     def __post_init__(self):
@@ -169,7 +170,7 @@ class Task:
         set_("metrics", tuple(self.metrics) or KINDS[self.kind])
         set_("primary", self.primary or self.metrics[0])
         if self.kind == "generate_until" and self.score is None:
-            set_("score", answers.stripped_match)
+            set_("score", kvt.evals.stripped_match)
         if self.kind != "generate_until" and not set(self.metrics) <= set(KINDS[self.kind]):
             refuse(f"a {self.kind} task reports some of {KINDS[self.kind]}, not {self.metrics}")
         if self.primary not in self.metrics:

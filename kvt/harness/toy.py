@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvt.harness import scoring
+import kvt.evals
 from kvt.config import Config, KvtError, at_least, command
 from kvt.loading import build_model, load_model
 from kvt.tokenizer import load_tokenizer
@@ -333,14 +333,14 @@ def train(cfg, ids, starts, encode, max_steps=MAX_STEPS, seed=0, log=print, init
 
 
 def choice_accuracy(model, encode, items, context=True):
-    """Accuracy on multiple-choice records, scored as the evals score them (kvt.harness.scoring.score_choices:
+    """Accuracy on multiple-choice records, scored as the evals score them (kvt.evals.score_choices:
     the choice with the highest loglikelihood after the context wins). context=False reads only the
     question (question()): the "floor" condition. encode: str -> token ids."""
     right = 0.0
     for it in items:
         ctx = it["context"] if context else question(it["context"])
         choices = [c.removeprefix(" ") for c in it["choices"]]  # score_choices puts the space back
-        right += scoring.score_choices(model, encode, ctx, choices, it["label"])["acc"]
+        right += kvt.evals.score_choices(model, encode, ctx, choices, it["label"])["acc"]
     return right / len(items)
 
 

@@ -26,10 +26,10 @@ model_args (comma-separated key=value, as for any harness model):
                      (kvt run's --calib, --calib-seqs, --calib-len, --data-dir)
     dtype, device, max_length   as the harness's hf model's; the batch size is the harness's --batch_size
     plain            true: every step's plain path (kvt run's --plain; KVT_PLAIN=1 in the environment too)
-How each request is answered, with kvt's own scoring (kvt/harness/scoring.py, kvt/harness/evals.py):
+How each request is answered, with kvt's own scoring (kvt/evals.py, kvt/harness/evals.py):
     loglikelihood          (context, continuation) pairs with one context are scored from one prefill of
                            it (batch_size continuations at a time), tokenized as the harness does
-                           (scoring.encode_pair); the context is cut on the left to fit max_length
+                           (kvt.evals.encode_pair); the context is cut on the left to fit max_length
     loglikelihood_rolling  the harness's rolling windows (lm_eval.utils.get_rolling_token_windows) of
                            max_length tokens, each window's context read by the condition. The harness's
                            windows share one token of context (rolling_context=1, its default), so a
@@ -49,7 +49,8 @@ import torch
 from tqdm import tqdm
 
 import kvt
-from kvt.harness import dist, evals, pipeline, report, scoring, tasks
+import kvt.evals
+from kvt.harness import dist, evals, pipeline, report, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair, plain_requested
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
 from kvt.handoff import Recompute
@@ -84,19 +85,15 @@ def model_arg(key, value, kind=int, least=None, most=None):
     return v
 
 
-def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, calib_seqs=None, calib_len=None,
-               data_dir=None, plain=False):
-    """The mapper `kvt run --source SRC --target TGT --out OUT` makes with its defaults: reused from OUT
-    when it is there, else calibrated and saved there (pipeline.get_mapper; plain: --plain's)."""
-    s = pipeline.Settings(source=Path(src_dir), target=Path(tgt_dir), out=Path(out),   # the run's defaults, for a pair
-                          calib=[Path(calib)] if calib else None, calib_seqs=calib_seqs or None,
-                          calib_len=calib_len or None, plain=plain,
-                          **({"data_dir": Path(data_dir)} if data_dir else {}))
-    seqs = calibration_sequences(s.calib, tok, s.calib_seqs, s.calib_len, seed=s.seed,
+def mapper_for(s, pair):
+    """The mapper `kvt run` makes with Settings s (--source, --target, --out and the run's defaults) for the
+    loaded pair: reused from s.out when it is there, else calibrated and saved there (pipeline.get_mapper;
+    s.plain: --plain's)."""
+    seqs = calibration_sequences(s.calib, pair.tok, s.calib_seqs, s.calib_len, seed=s.seed,
                                  documents=pipeline.toy_calibration_text(s))
-    skey = pipeline.stats_key(s, Path(src_dir), Path(tgt_dir), seqs)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    mapper, _ = pipeline.get_mapper(s, pipeline.Pair(source, target, tok, dtype), seqs, Path(out), skey)
+    skey = pipeline.stats_key(s, s.source, s.target, seqs)
+    s.out.mkdir(parents=True, exist_ok=True)
+    mapper, _ = pipeline.get_mapper(s, pair, seqs, s.out, skey)
     return mapper
 
 
@@ -169,8 +166,11 @@ class KvtLM(LM):
                 check_pair_weights(m, src_model, tgt_model, f"mapper={mapper}")
             else:
                 out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
-                m = mapper_for(source, target, src_model, tgt_model, self.tok, out, dtype, calib, calib_seqs,
-                               calib_len, data_dir, plain)
+                s = pipeline.Settings(source=Path(source), target=Path(target), out=Path(out),   # the run's defaults
+                                      calib=[Path(calib)] if calib else None, calib_seqs=calib_seqs or None,
+                                      calib_len=calib_len or None, plain=plain,
+                                      **({"data_dir": Path(data_dir)} if data_dir else {}))
+                m = mapper_for(s, pipeline.Pair(src_model, tgt_model, self.tok, dtype))
             m = m.to(dtype=dtype).place(layer_devices(tgt_model))
             budget = Recompute(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by)
             self.cond = evals.Condition(tgt_model, evals.transfer(src_model, tgt_model, m, budget, plain), plain=plain)
@@ -194,14 +194,14 @@ class KvtLM(LM):
     def _pair(self, context, continuation):
         """Token ids (context, continuation) as the harness encodes them, the context cut on the left so
         that what the model reads (context + continuation[:-1]) fits max_length."""
-        ctx, cont = scoring.encode_pair(self.tok.encode, context, continuation, self.tok.prefix_id)
+        ctx, cont = kvt.evals.encode_pair(self.tok.encode, context, continuation, self.tok.prefix_id)
         if len(cont) > self.max_length:
             raise KvtError(f"a continuation of {len(cont)} tokens exceeds max_length={self.max_length}")
         return ctx[-(self.max_length + 1 - len(cont)):], cont
 
     def _score(self, pairs, desc="loglikelihood"):
         """[(ll, greedy)] for (ctx ids, cont ids) pairs: each distinct context prefilled once per batch of
-        at most batch_size of its continuations (kvt.harness.scoring.loglikelihoods)."""
+        at most batch_size of its continuations (kvt.evals.loglikelihoods)."""
         by_ctx = defaultdict(list)                               # context ids -> indices of its requests
         for i, (ctx, _) in enumerate(pairs):
             by_ctx[tuple(ctx)].append(i)
@@ -210,7 +210,7 @@ class KvtLM(LM):
         for ctx, idx in by_ctx.items():
             for s in range(0, len(idx), self.batch_size):
                 chunk = idx[s:s + self.batch_size]
-                [(lls, greedy)] = scoring.loglikelihoods(self.cond.model, [(list(ctx), [pairs[i][1] for i in chunk])],
+                [(lls, greedy)] = kvt.evals.loglikelihoods(self.cond.model, [(list(ctx), [pairs[i][1] for i in chunk])],
                                                          self.cond.prefill)
                 for i, ll, g in zip(chunk, lls, greedy):
                     out[i] = (ll, bool(g))

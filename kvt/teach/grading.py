@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 import kvt
-from kvt import handoff, ridge, rope, stats
+from kvt import evals, handoff, ridge, rope, stats
 from kvt.config import Config, KvtError
-from kvt.harness import bench, scoring, summary
+from kvt.harness import bench, summary
 
 KVT = Path(__file__).resolve().parents[1]   # the package, copied into every assignment
 ROOT = KVT.parent                       # the working copy: tutorial.md, run.py, weights/toy-*
@@ -75,8 +75,8 @@ ASSIGNMENTS = {
         Graded("mapper.Mapper.apply", 4, 7, "strip the source's RoPE, map, apply the target's RoPE"),
         Graded("handoff.handoff", 3, 9, "the source reads T - 1 tokens, the target runs the last itself"))),
     "evals": Assignment("Scoring and retention, honestly", (10,), (
-        Graded("scoring.loglikelihoods", 4, 10, "loglikelihood from a cache, and its off-by-one"),
-        Graded("scoring.mc_metrics", 1, 10, "acc and acc_norm as lm-evaluation-harness computes them"),
+        Graded("evals.loglikelihoods", 4, 10, "loglikelihood from a cache, and its off-by-one"),
+        Graded("evals.mc_metrics", 1, 10, "acc and acc_norm as lm-evaluation-harness computes them"),
         Graded("summary.wilson", 2, 10, "the Wilson interval of a proportion"),
         Graded("summary.bootstrap", 3, 10, "a paired percentile bootstrap", tol=0.01),
         Graded("summary.retention", 3, 10, "retention and floor-normalized retention with paired intervals: "
@@ -277,7 +277,7 @@ def case_handoff():
     return {**out, "recompute_logits": logits, **cache_numbers(cache, "recompute_")}
 
 
-@case("scoring.loglikelihoods")
+@case("evals.loglikelihoods")
 def case_loglikelihoods():
     model = kvt.build_model(tiny(2), seed=0, std=0.2)
     ctx, greedy = [5, 17, 99, 23, 8, 64, 1], []
@@ -285,18 +285,18 @@ def case_loglikelihoods():
         for _ in range(3):                                           # the model's own greedy continuation
             greedy.append(model(torch.tensor([ctx + greedy]))[0][0, -1].argmax().item())
     conts = [[40], [7, 7, 120, 3], greedy, [88, 2]]
-    [(lls, best)] = scoring.loglikelihoods(model, [(ctx, conts)])
-    other = scoring.loglikelihoods(model, [(ctx, conts[:2])], lambda ids: scoring.prefill(model, ids.flip(1)))[0][0]
-    two = scoring.loglikelihoods(model, [(ctx, conts[1:3]), ([9, 4], [[11, 12, 13], [1]])])   # left-padded together
-    return {"ll": num(lls), "greedy": num(best), "one_token": num(scoring.loglikelihoods(model, [(ctx, [[40]])])[0][0]),
+    [(lls, best)] = evals.loglikelihoods(model, [(ctx, conts)])
+    other = evals.loglikelihoods(model, [(ctx, conts[:2])], lambda ids: evals.prefill(model, ids.flip(1)))[0][0]
+    two = evals.loglikelihoods(model, [(ctx, conts[1:3]), ([9, 4], [[11, 12, 13], [1]])])   # left-padded together
+    return {"ll": num(lls), "greedy": num(best), "one_token": num(evals.loglikelihoods(model, [(ctx, [[40]])])[0][0]),
             "other_prefill": num(other), "two_contexts": num([ll for lls_, _ in two for ll in lls_])}
 
 
-@case("scoring.mc_metrics")
+@case("evals.mc_metrics")
 def case_mc_metrics():
     out = {}
     for i, (lls, gold) in enumerate((([-3.0, -1.0, -1.0, -2.0], 1), ([-3.0, -1.0, -1.2, -2.0], 2))):
-        r = scoring.mc_metrics(lls, ["a", "bb", "ccc", "d"], gold)
+        r = evals.mc_metrics(lls, ["a", "bb", "ccc", "d"], gold)
         out[f"item{i}"] = num([r["pred"], r["pred_norm"], r["acc"], r["acc_norm"]])
     return out
 
@@ -437,14 +437,14 @@ ABOUT = {
         "one-token prompt has nothing to map",
         {**{p + n: a for p in ("padded_", "one_", "single_token_", "recompute_") for n, a in CACHE.items()},
          **{p + "logits": "B T V" for p in ("padded_", "one_", "single_token_", "recompute_")}}),
-    "scoring.loglikelihoods": About(
+    "evals.loglikelihoods": About(
         "a random 2-layer model, a 7-token context and 4 continuations (1, 4, 3 and 2 tokens; the third is the "
         "model's own greedy continuation); other_prefill: a context cache from another prefill function; "
         "two_contexts: two of them beside a 2-token context with 2 continuations, in one call (left padding)",
         "logits at position j predict token j + 1: a continuation's first token is scored by the context's last "
         "logits, each later token by the logits of the token before it; greedy: every token the argmax",
         {"ll": "n", "greedy": "n", "other_prefill": "n", "two_contexts": "n"}),
-    "scoring.mc_metrics": About(
+    "evals.mc_metrics": About(
         "loglikelihoods (-3, -1, -1, -2) with gold 1, then (-3, -1, -1.2, -2) with gold 2; choices 'a', 'bb', "
         "'ccc', 'd' (lengths 1, 2, 3, 1); each item is (pred, pred_norm, acc, acc_norm)",
         "pred: the argmax of the loglikelihoods, the first on a tie; pred_norm: of each divided by its "
@@ -526,7 +526,7 @@ _REFERENCE = {}  # module name -> the reference module loaded from GRADER/refere
 
 
 def home(module):
-    """Where a module the course names lives in the package: "rope" -> "rope", "scoring" -> "harness.scoring"."""
+    """Where a module the course names lives in the package: "rope" -> "rope", "summary" -> "harness.summary"."""
     for layer in ("", "harness.", "integrations.", "teach."):    # of the kvt this process imports (the student's, when grading)
         if importlib.util.find_spec(f"kvt.{layer}{module}") is not None:
             return layer + module
@@ -534,7 +534,7 @@ def home(module):
 
 
 def path_of(module):
-    """The file of a module the course names, inside the package: "scoring" -> "harness/scoring.py"."""
+    """The file of a module the course names, inside the package: "summary" -> "harness/summary.py"."""
     return home(module).replace(".", "/") + ".py"
 
 

@@ -1,16 +1,19 @@
-"""Scoring text by loglikelihood from a cache: the one multiple-choice scorer of kvt.
+"""Scoring an item, as lm-evaluation-harness does: by loglikelihood from a cache, or by exact match.
 
     [(lls, greedy), ...] = loglikelihoods(model, [(ctx_ids, [cont_ids, ...]), ...])  # each context prefilled once
     record = score_choices(model, encode, context, choices, gold)     # acc, acc_norm as the harness
+    stripped_match(output, gold)                                       # {"em": 1.0} when the answer is the gold
 
 Several contexts are one left-padded prefill and every continuation of every context one right-padded
 batch after it (a GPU reading one context at a time waits on kernel launches); each result equals the
 one its context gets alone within the dtype's rounding (tests/test_batch.py).
 
-The evals (kvt/harness/evals.py) score every multiple-choice task with score_choices, and so does the toy
-family's trainer (toy.choice_accuracy), so a toy model's held-out recall and its evaluation are the
-same number. `prefill` is where a condition enters: None reads the context with the model itself; a
-transfer reads it with the source and maps the cache (kvt.harness.evals.transfer).
+The evaluation of tasks under conditions (kvt/harness/evals.py) scores every multiple-choice task with
+score_choices, and so does the toy family's trainer (toy.choice_accuracy), so a toy model's held-out recall
+and its evaluation are the same number; a generated answer is scored by its task's score function, by
+default stripped_match (kvt/harness/answers.py has gsm8k's and SQuAD's). `prefill` is where a condition
+enters: None reads the context with the model itself; a transfer reads it with the source and maps the
+cache (kvt.harness.evals.transfer).
 """
 import torch
 
@@ -110,3 +113,9 @@ def score_choice_batch(model, encode, items, prefix_id=None, via=None):
         pairs.append((encoded[0][0], [cont for _, cont in encoded]))
     return [{"gold": gold, "lls": lls, "greedy": greedy, **mc_metrics(lls, choices, gold)}
             for (_, choices, gold), (lls, greedy) in zip(items, loglikelihoods(model, pairs, via))]
+
+
+def stripped_match(output, gold):
+    """Exact match of a generated output, stripped of surrounding whitespace (the toy tasks' score, and every
+    generate_until task's default)."""
+    return {"em": float(output.strip() == gold)}
