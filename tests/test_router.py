@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,21 +24,46 @@ from http.server import ThreadingHTTPServer
 import pytest
 
 from kvt.config import KvtError
-from kvt.integrations.router import Handler, Router, free_port, make_server, stop, wait_healthy
+from kvt.integrations.router import CHAT, Handler, Router, free_port, make_server, stop, wait_healthy
 
 
 class Fake:
-    """A stand-in server on loopback: answer(path, body) -> (status, JSON); .seen holds every (path, body)."""
+    """A stand-in server on loopback: answer(path, body) -> (status, JSON), or (200, a list of events) for a
+    stream (a float in it: a pause of that many seconds; "cut": the server dies there); .seen holds every
+    (path, body), .gone whether a stream's reader went away before its end."""
 
     def __init__(self, answer):
-        self.seen = []
+        self.seen, self.gone = [], False
         fake = self
 
         class FakeHandler(Handler):                 # the router's JSON replies (Handler.reply), other answers
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.seen.append((self.path, body))
-                self.reply(*answer(self.path, body))
+                status, out = answer(self.path, body)
+                if isinstance(out, list):
+                    return self.events(out)
+                self.reply(status, out)
+
+            def do_GET(self):
+                fake.seen.append((self.path, None))
+                self.reply(200, {"object": "list", "data": [{"id": fake.url[-5:], "object": "model"}]})
+
+            def events(self, events):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                try:
+                    for e in events:
+                        if e == "cut":
+                            return                  # the connection closes without [DONE]
+                        if isinstance(e, float):
+                            time.sleep(e)
+                            continue
+                        self.wfile.write(f"data: {json.dumps(e) if isinstance(e, dict) else e}\n\n".encode())
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    fake.gone = True
 
             def log_message(self, *args):
                 pass
@@ -58,14 +84,26 @@ def source_answer(path, body):
     if save:
         open(save, "w").write("kv")
         return 200, {"choices": [{"text": " x"}], "kv_transfer_params": {"kvt": {"status": "saved", "path": save}}}
+    if body.get("stream"):
+        return 200, [{"choices": [{"text": " small"}]}, "[DONE]"]
     return 200, {"choices": [{"text": " small"}], "kv_transfer_params": None}
 
 
-def target_answer(verdict):
-    """The target server: records whether the KV file it is asked to load exists, answers with verdict."""
+def target_answer(verdict, events=None):
+    """The target server: records whether the KV file it is asked to load exists, answers with verdict, in
+    kv_transfer_params and, as kvt's connector does, in the file named by "kvt_verdict"; renders a chat's
+    messages as one id per word; streams `events` when asked for a stream."""
     def answer(path, body):
-        load = (body.get("kv_transfer_params") or {}).get("kvt_load")
+        if path == "/tokenize":
+            ids = [len(w) for m in body["messages"] for w in m["content"].split()]
+            return 200, {"tokens": ids, "count": len(ids), "max_model_len": 2048}
+        params = body.get("kv_transfer_params") or {}
+        load = params.get("kvt_load")
         body["file_there"] = bool(load) and os.path.exists(load)
+        if params.get("kvt_verdict"):
+            open(params["kvt_verdict"], "w").write(json.dumps(verdict))
+        if body.get("stream"):
+            return 200, events or [{"choices": [{"text": " large"}]}, "[DONE]"]
         return 200, {"choices": [{"text": " large"}], "kv_transfer_params": {"kvt": verdict} if load else None}
     return answer
 
@@ -99,6 +137,29 @@ def ask(url, body, path="/v1/completions"):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def ask_with_headers(url, body, path="/v1/completions"):
+    """(HTTP status, JSON answer, headers) of a POST to the router."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def events(url, body, path="/v1/completions"):
+    """A streamed POST to the router: (headers, [(seconds since the request, event JSON or "[DONE]")])."""
+    req = urllib.request.Request(url + path, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    t0, got = time.perf_counter(), []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                data = line[6:].strip().decode()
+                got.append((time.perf_counter() - t0, data if data == "[DONE]" else json.loads(data)))
+        return r.headers, got
 
 
 def dead_url():
@@ -181,16 +242,127 @@ def test_a_server_down_is_a_502_naming_it(fakes):
     assert len(source.completions()) == 1 and not os.listdir(kv_dir), "the saved KV file was left behind"
 
 
+def test_headers_carry_the_kvt_status_and_models_lists_both(fakes):
+    """Every answer to a request carries x-kvt-status (and x-kvt-mapper-id where applied) as its JSON "kvt"
+    says; GET /v1/models lists the source's and the target's models. Guards headers left off a path (the
+    source's answers, errors), a mapper id sent with a fallback, and /v1/models answering 404."""
+    source, target, start, _ = fakes
+    url = start(escalate_at=5)
+    status, out, h = ask_with_headers(url, {"prompt": "a b"})
+    assert status == 200 and h["x-kvt-status"] == "source" and "x-kvt-mapper-id" not in h, dict(h)
+    status, out, h = ask_with_headers(url, {"prompt": "a b", "escalate": True})
+    assert (h["x-kvt-status"], h["x-kvt-mapper-id"]) == ("applied", "m-1234"), dict(h)
+    fallback = Fake(target_answer({"status": "fallback_reprefill", "reason": "gate", "mapper": "m-1234"}))
+    status, out, h = ask_with_headers(start(target_url=fallback.url), {"prompt": "a b", "escalate": True})
+    assert h["x-kvt-status"] == "fallback_reprefill" and "x-kvt-mapper-id" not in h, dict(h)
+    status, out, h = ask_with_headers(start(target_url=dead_url()), {"prompt": "a", "escalate": True})
+    assert status == 502 and h["x-kvt-status"] == "error", dict(h)
+    status, out, h = ask_with_headers(url, {"prompt": ["a", "b"]})
+    assert status == 400 and h["x-kvt-status"] == "unsupported", dict(h)
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        models = json.loads(r.read())["data"]
+    assert [(m["id"], m["kvt_role"]) for m in models] == [(source.url[-5:], "source"), (target.url[-5:], "target")]
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        served = json.loads(r.read())["served"]
+    assert served == {"source": 1, "applied": 1, "unsupported": 1}, served        # this router's answers
+    fallback.server.shutdown()
+
+
+def test_a_chat_is_rendered_once_by_the_target(fakes):
+    """An escalated chat: the target's /tokenize renders the messages (with the chat fields), the source
+    prefills exactly those ids (a completions body, max_tokens 1), the target gets the chat itself with the
+    file to load, and the answer carries its verdict; a chat that does not escalate goes to the source's chat
+    endpoint unrendered; a chat counted by --escalate-at is counted in the target's rendering; a /tokenize
+    error (a model without a chat template) is passed on with its status. Guards the source saving KV for
+    other ids than the target renders, and a chat sent to the source's completions endpoint as text."""
+    source, target, start, kv_dir = fakes
+    url = start(escalate_at=0)
+    chat = {"messages": [{"role": "user", "content": "aa bbb c"}], "max_tokens": 4, "chat_template": "T",
+            "add_generation_prompt": True}
+    status, out = ask(url, {**chat, "escalate": True}, CHAT)
+    assert status == 200 and out["kvt"] == APPLIED, out
+    (render,) = [b for p, b in target.seen if p == "/tokenize"]
+    assert render == {k: chat[k] for k in ("messages", "chat_template", "add_generation_prompt")}, render
+    (pre,) = source.completions()
+    assert pre["prompt"] == [2, 3, 1] and pre["max_tokens"] == 1 and "messages" not in pre, pre
+    (final,) = [b for p, b in target.seen if p == CHAT]
+    assert final["messages"] == chat["messages"] and final["file_there"], final
+    assert final["kv_transfer_params"]["kvt_load"] == pre["kv_transfer_params"]["kvt_save"]
+    assert not os.listdir(kv_dir), os.listdir(kv_dir)
+    status, out = ask(url, chat, CHAT)
+    assert out["kvt"] == {"status": "source"} and [p for p, _ in source.seen][-1] == CHAT, source.seen[-1]
+    status, out = ask(start(escalate_at=3), chat, CHAT)                 # 3 rendered ids: escalates
+    assert out["kvt"] == APPLIED, out
+    no_template = Fake(lambda path, body: (400, {"error": {"message": "this model has no chat template", "code": 400}}))
+    status, out = ask(start(target_url=no_template.url), {**chat, "escalate": True}, CHAT)
+    assert status == 400 and out["error"]["message"] == "target server: HTTP 400: this model has no chat template", out
+    no_template.server.shutdown()
+
+
+def test_a_stream_is_relayed_as_it_arrives(fakes):
+    """An escalated stream: the client's first event arrives when the target's does (not when the stream
+    ends, 0.6 s later), carries the connector's verdict (from the file the target's connector wrote), as do
+    the headers; every event and [DONE] are relayed, and the KV file and its verdict are removed after.
+    Guards a router that buffers the whole stream, drops the verdict of a stream (vLLM streams no
+    kv_transfer_params), or leaves files behind."""
+    source, target, start, kv_dir = fakes
+    streaming = Fake(target_answer(APPLIED, [{"choices": [{"text": " a"}]}, 0.3, {"choices": [{"text": " b"}]}, 0.3,
+                                             {"choices": [{"text": " c"}]}, "[DONE]"]))
+    h, got = events(start(target_url=streaming.url), {"prompt": "x y", "escalate": True})
+    (t_first, first), *rest = got
+    assert first["kvt"] == APPLIED and (h["x-kvt-status"], h["x-kvt-mapper-id"]) == ("applied", "m-1234"), (first, h)
+    assert [e["choices"][0]["text"] for _, e in [got[0]] + rest[:-1]] == [" a", " b", " c"] and rest[-1][1] == "[DONE]"
+    assert t_first < 0.3 and rest[-1][0] >= 0.6, f"first event at {t_first:.2f} s, the end at {rest[-1][0]:.2f} s"
+    assert "stream" not in source.completions()[0], "the source's prefill must be one whole answer"
+    assert not os.listdir(kv_dir), os.listdir(kv_dir)
+    h, got = events(start(), {"prompt": "x y"})                               # the source's stream
+    assert h["x-kvt-status"] == "source" and got[0][1]["kvt"] == {"status": "source"}, got
+    streaming.server.shutdown()
+
+
+def test_a_stream_cut_mid_way_ends_with_an_error_event(fakes):
+    """A server that dies mid-stream (the connection closes before [DONE]): the client gets the events sent
+    so far, then one error event naming the server, and the stream ends. A client that goes away mid-stream:
+    the router closes the server's stream (vLLM aborts the request) and keeps serving. Guards a stream that
+    ends as if complete, a client left waiting, and a router thread writing into a closed socket."""
+    source, target, start, kv_dir = fakes
+    dying = Fake(target_answer(APPLIED, [{"choices": [{"text": " a"}]}, "cut"]))
+    h, got = events(start(target_url=dying.url), {"prompt": "x y", "escalate": True})
+    assert [e["choices"][0]["text"] for _, e in got[:1]] == [" a"] and len(got) == 2, got
+    assert got[1][1]["kvt"]["status"] == "error" and got[1][1]["error"]["message"].startswith("target server: "), got
+    slow = Fake(target_answer(APPLIED, [{"choices": [{"text": " a"}]}] + [0.1, {"choices": [{"text": " b"}]}] * 30))
+    url = start(target_url=slow.url)
+    body = json.dumps({"prompt": "x y", "escalate": True, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b"data: {" not in got:                                     # the first event came
+            got += client.recv(4096)
+    # the client went away
+    for _ in range(50):
+        if slow.gone:
+            break
+        time.sleep(0.1)
+    assert slow.gone, "the router kept reading the server's stream after its client went away"
+    status, out = ask(url, {"prompt": "x y"})
+    assert status == 200 and out["kvt"] == {"status": "source"}, out
+    assert not os.listdir(kv_dir), os.listdir(kv_dir)
+    dying.server.shutdown()
+    slow.server.shutdown()
+
+
 def test_what_the_router_does_not_take_is_a_400_with_a_kvt_status(fakes):
-    """Guards: a streamed request, several prompts in one (vLLM returns the verdict of the first only) or an
-    escalate flag that is not a boolean ("false" is truthy) forwarded as if understood, and a body that is
-    not JSON ending as a traceback."""
+    """Guards: several prompts in one request (vLLM returns the verdict of the first only), a chat without
+    messages, or an escalate flag that is not a boolean ("false" is truthy) forwarded as if understood, each
+    refused in one line saying why; and a body that is not JSON ending as a traceback."""
     source, target, start, _ = fakes
     url = start()
-    for body in ({"prompt": "a", "stream": True}, {"prompt": ["a", "b"]}, {"prompt": [[1, 2]]},
-                 {"prompt": "a", "escalate": "false"}):
-        status, out = ask(url, body)
-        assert status == 400 and out["kvt"]["status"] == "unsupported", (body, out)
+    for body, why in (({"prompt": ["a", "b"]}, "first prompt only"), ({"prompt": [[1, 2]]}, "first prompt only"),
+                      ({"prompt": "a", "escalate": "false"}, "escalate must be true or false"),
+                      ({"messages": []}, "non-empty list of messages")):
+        status, out = ask(url, body, CHAT if "messages" in body else "/v1/completions")
+        assert status == 400 and out["kvt"]["status"] == "unsupported" and why in out["error"]["message"], (body, out)
     req = urllib.request.Request(url + "/v1/completions", b"{not json", {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)

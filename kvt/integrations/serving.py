@@ -38,6 +38,8 @@ a CPU with AMX tiles). read_slots and write_slots index them; tests/test_vllm.py
 vLLM's own writer (cpu_attn_reshape_and_cache). The connector refuses any other layout in one line.
 vLLM is imported here only, and only when this file is.
 """
+import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -202,6 +204,7 @@ class KvtConnector(KVConnectorBase_V1):
             if self.unfit:
                 log.warning("kvt: every load on this engine falls back to its own prefill: %s", self.unfit)
         self.verdicts = {}      # scheduler: req_id -> {"status": "applied" | "fallback_reprefill" | ..., ...}
+        self.verdict_files = {}  # scheduler: req_id -> where to write its verdict too (kvt_verdict), or None
         self.blocks = {}        # scheduler: req_id -> its blocks, while a load is in flight
         self.pending = {}       # scheduler: req_id -> Load, until build_connector_meta sends it
         self.savers = {}        # scheduler: req_id -> Request whose prompt KV is to be saved
@@ -266,12 +269,24 @@ class KvtConnector(KVConnectorBase_V1):
         if not path:
             return 0, False
         if not self.target:
-            self.verdicts[request.request_id] = {"status": "unsupported",
-                                                 "reason": "this engine has no mapper (connector_config(mapper=...))"}
+            self.decide(request.request_id, {"status": "unsupported",
+                                             "reason": "this engine has no mapper (connector_config(mapper=...))"}, request)
             return 0, False
         n, why = self.check(request, path)
-        self.verdicts[request.request_id] = self.fallback(why) if why else self.applied(n)
+        self.decide(request.request_id, self.fallback(why) if why else self.applied(n), request)
         return max(0, n - num_computed_tokens), False
+
+    def decide(self, req_id, verdict, request=None):
+        """Record a request's verdict; also write it to the file its kv_transfer_params name as "kvt_verdict",
+        for a router relaying a stream (vLLM sends kv_transfer_params with a whole answer only)."""
+        self.verdicts[req_id] = verdict
+        if request is not None:
+            self.verdict_files[req_id] = (request.kv_transfer_params or {}).get("kvt_verdict")
+        path = self.verdict_files.get(req_id)
+        if path:
+            with open(path + ".tmp", "w") as f:
+                json.dump(verdict, f)
+            os.replace(path + ".tmp", path)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if num_external_tokens > 0:
@@ -300,11 +315,12 @@ class KvtConnector(KVConnectorBase_V1):
         for req_id, block_ids in self.blocks.items():
             if failed & set(block_ids):
                 why = reasons.get(req_id, "unknown")
-                self.verdicts[req_id] = self.fallback(f"the load failed on the worker ({why}); vLLM recomputed the prompt")
+                self.decide(req_id, self.fallback(f"the load failed on the worker ({why}); vLLM recomputed the prompt"))
 
     def request_finished(self, request, block_ids):
         self.blocks.pop(request.request_id, None)
         self.savers.pop(request.request_id, None)
+        self.verdict_files.pop(request.request_id, None)
         verdict = self.verdicts.pop(request.request_id, None)
         return False, None if verdict is None else {"kvt": verdict}
 
