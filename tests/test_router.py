@@ -479,89 +479,6 @@ def first_logprobs(out):
 
 
 @pytest.mark.slow
-def test_the_stack_on_the_toy_pair(tmp_path):
-    """The documented stack (run.py's mapper, then `python -m kvt.integrations.router stack`) in the vLLM Python:
-    an escalated request of 150 token ids is applied with T - 1 slots and its greedy tokens and first-step
-    logprobs equal kvt's handoff + generate on the same mapper, a plain one the source's own; 8 clients x 25
-    mixed requests are all answered; with the source server killed, escalated requests are still answered
-    by the target's own prefill, saying the source failed; SIGTERM stops every server process.
-    Guards the router's HTTP bodies against the real server (kv_transfer_params in and out, the verdict's
-    place), the stack's command lines and connector configs, and orphaned engines."""
-    import torch
-
-    import kvt
-    from kvt.handoff import handoff
-    from kvt.harness import toy
-    from kvt.harness.files import load_mapper
-    from tests.conftest import ROOT
-    from tests.test_vllm import ATOL, NEW, own
-
-    mapper_file = toy_mapper(tmp_path)
-    ks, kt = kvt.load_model(ROOT / "weights" / "toy-s"), kvt.load_model(ROOT / "weights" / "toy-m")
-    mapper, tok = load_mapper(mapper_file), kvt.load_tokenizer(ROOT / "weights" / "toy-m")
-    text = tok.encode(" ".join(toy.corpus(40, seed=5)))
-    kv_dir = tmp_path / "kv"
-    stack, urls, pids = start_stack(tmp_path, mapper_file)
-    try:
-        def request(ids, escalate, max_tokens=NEW):
-            return through_router(urls["router"], ids, escalate, max_tokens)
-
-        p = text[:150]
-        ids = torch.tensor([p])
-        status, out = request(p, True)
-        assert status == 200 and out["kvt"]["status"] == "applied" and out["kvt"]["slots"] == len(p) - 1, out["kvt"]
-        logits, cache = handoff(ks, kt, mapper, ids)
-        want = logits[0, -1].log_softmax(-1)
-        err_lp = max(abs(lp - want[t].item()) for t, lp in first_logprobs(out).items())
-        assert err_lp <= ATOL, f"first-step logprobs differ from kvt's handoff by {err_lp:.2e}"
-        assert out["choices"][0]["token_ids"] == kvt.generate(kt, logits[:, -1], cache, NEW)[0]
-
-        status, out = request(p, False)
-        own_lp, tokens = own(ks, ids)
-        assert status == 200 and out["kvt"] == {"status": "source"}, out["kvt"]
-        err_lp = max(abs(lp - own_lp[t].item()) for t, lp in first_logprobs(out).items())
-        assert err_lp <= ATOL and out["choices"][0]["token_ids"] == tokens, f"the source's own: {err_lp:.2e}"
-
-        answers = {}                                 # 8 clients x 25 requests, every other one escalated
-
-        def client(c):
-            for j in range(25):
-                n = 20 + 23 * (25 * c + j) % 200
-                answers[c, j] = (j + c) % 2 == 0, request(text[:n], (j + c) % 2 == 0, max_tokens=4)
-
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        tally = Counter(out["kvt"]["status"] for _, (_, out) in answers.values())
-        print(f"\nload: {len(answers)} of 200 requests answered in {time.perf_counter() - t0:.1f} s, by status: "
-              f"{dict(tally)}")
-        assert len(answers) == 200, f"{200 - len(answers)} requests unanswered"
-        for (c, j), (escalated, (status, out)) in answers.items():
-            assert status == 200, (c, j, out)
-            if not escalated:
-                assert out["kvt"] == {"status": "source"}, (c, j, out["kvt"])
-            else:
-                assert out["kvt"]["status"] == "applied" or \
-                    out["kvt"]["status"] == "fallback_reprefill" and out["kvt"]["reason"], (c, j, out["kvt"])
-        assert not list(kv_dir.glob("*.kv.safetensors")), "KV files left behind"
-
-        os.killpg(pids["source"], signal.SIGKILL)    # the source server dies mid-run
-        while alive(pids["source"]):
-            time.sleep(0.2)
-        for n in (30, 90):
-            status, out = request(text[:n], True)
-            assert status == 200 and out["kvt"]["status"] == "fallback_reprefill", out
-            assert out["kvt"]["reason"].startswith("source server: "), out["kvt"]
-            assert out["choices"][0]["token_ids"] == own(kt, torch.tensor([text[:n]]))[1], "the target's own prefill"
-    finally:
-        left = stop_stack(stack, pids)
-    assert not left, f"SIGTERM to the stack left these servers running: {left}"
-
-
-@pytest.mark.slow
 def test_the_stack_in_bf16(tmp_path):
     """The same stack with both servers in bf16 (vLLM's "amx" KV layout on a CPU with AMX tiles, "vec"
     without): an escalated request of 150 token ids through HTTP is applied, and its first-step logprobs and
@@ -585,3 +502,260 @@ def test_the_stack_in_bf16(tmp_path):
     assert not left, f"SIGTERM to the stack left these servers running: {left}"
     assert status == 200 and out["kvt"]["status"] == "applied" and out["kvt"]["slots"] == len(p) - 1, out["kvt"]
     assert_like_kvt_bf16(mapper, p, first_logprobs(out), out["choices"][0]["token_ids"], "through the router")
+
+
+# a chat template for the toys, whose tokenizers have none (words of their vocabulary only)
+TOY_CHAT = "{% for m in messages %}{{ m['content'] }} . {% endfor %}{% if add_generation_prompt %}so{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def toy_stack(tmp_path_factory):
+    """The documented stack (run.py's mapper, then `python -m kvt.integrations.router stack`) on the toy pair in
+    the vLLM Python, with TOY_CHAT as both servers' chat template, and kvt's models of the same folders; the
+    servers are stopped after the module's tests, and none may be left running."""
+    import kvt
+    from kvt.harness import toy
+    from kvt.harness.files import load_mapper
+    from tests.conftest import ROOT
+    tmp = tmp_path_factory.mktemp("stack")
+    mapper_file = toy_mapper(tmp)
+    (tmp / "chat.jinja").write_text(TOY_CHAT)
+    tok = kvt.load_tokenizer(ROOT / "weights" / "toy-m")
+    stack, urls, pids = start_stack(tmp, mapper_file, "--chat-template", str(tmp / "chat.jinja"))
+    try:
+        yield dict(urls=urls, pids=pids, kv_dir=tmp / "kv", mapper=load_mapper(mapper_file), tok=tok,
+                   ks=kvt.load_model(ROOT / "weights" / "toy-s"), kt=kvt.load_model(ROOT / "weights" / "toy-m"),
+                   text=tok.encode(" ".join(toy.corpus(40, seed=5))))
+    finally:
+        left = stop_stack(stack, pids)
+    assert not left, f"SIGTERM to the stack left these servers running: {left}"
+
+
+@pytest.mark.slow
+def test_the_stack_on_the_toy_pair(toy_stack):
+    """Through the stack's router: an escalated request of 150 token ids is applied with T - 1 slots and its
+    greedy tokens and first-step logprobs equal kvt's handoff + generate on the same mapper, a plain one the
+    source's own; 8 clients x 25 mixed requests are all answered, no KV file left behind.
+    Guards the router's HTTP bodies against the real server (kv_transfer_params in and out, the verdict's
+    place) and the stack's command lines and connector configs."""
+    import torch
+
+    import kvt
+    from kvt.handoff import handoff
+    from tests.test_vllm import ATOL, NEW, own
+
+    s = toy_stack
+    ks, kt, mapper, text, kv_dir = s["ks"], s["kt"], s["mapper"], s["text"], s["kv_dir"]
+
+    def request(ids, escalate, max_tokens=NEW):
+        return through_router(s["urls"]["router"], ids, escalate, max_tokens)
+
+    p = text[:150]
+    ids = torch.tensor([p])
+    status, out = request(p, True)
+    assert status == 200 and out["kvt"]["status"] == "applied" and out["kvt"]["slots"] == len(p) - 1, out["kvt"]
+    logits, cache = handoff(ks, kt, mapper, ids)
+    want = logits[0, -1].log_softmax(-1)
+    err_lp = max(abs(lp - want[t].item()) for t, lp in first_logprobs(out).items())
+    assert err_lp <= ATOL, f"first-step logprobs differ from kvt's handoff by {err_lp:.2e}"
+    assert out["choices"][0]["token_ids"] == kvt.generate(kt, logits[:, -1], cache, NEW)[0]
+
+    status, out = request(p, False)
+    own_lp, tokens = own(ks, ids)
+    assert status == 200 and out["kvt"] == {"status": "source"}, out["kvt"]
+    err_lp = max(abs(lp - own_lp[t].item()) for t, lp in first_logprobs(out).items())
+    assert err_lp <= ATOL and out["choices"][0]["token_ids"] == tokens, f"the source's own: {err_lp:.2e}"
+
+    answers = {}                                 # 8 clients x 25 requests, every other one escalated
+
+    def client(c):
+        for j in range(25):
+            n = 20 + 23 * (25 * c + j) % 200
+            answers[c, j] = (j + c) % 2 == 0, request(text[:n], (j + c) % 2 == 0, max_tokens=4)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    tally = Counter(out["kvt"]["status"] for _, (_, out) in answers.values())
+    print(f"\nload: {len(answers)} of 200 requests answered in {time.perf_counter() - t0:.1f} s, by status: "
+          f"{dict(tally)}")
+    assert len(answers) == 200, f"{200 - len(answers)} requests unanswered"
+    for (c, j), (escalated, (status, out)) in answers.items():
+        assert status == 200, (c, j, out)
+        if not escalated:
+            assert out["kvt"] == {"status": "source"}, (c, j, out["kvt"])
+        else:
+            assert out["kvt"]["status"] == "applied" or \
+                out["kvt"]["status"] == "fallback_reprefill" and out["kvt"]["reason"], (c, j, out["kvt"])
+    assert not list(kv_dir.glob("*.kv.safetensors*")), "KV files left behind"
+
+
+def openai_extra(escalate):
+    """The body fields the openai client has no argument for: the router's flag and vLLM's greedy-run fields."""
+    return {"escalate": escalate, "ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}
+
+
+@pytest.mark.slow
+def test_the_openai_client_through_the_stack(toy_stack):
+    """The official openai package against the router: completions and chat, whole and streamed, escalated and
+    not. Escalated: status applied with T - 1 slots in the JSON (or the first chunk) and in x-kvt-status,
+    x-kvt-mapper-id the mapper's id, greedy tokens those of kvt's handoff + generate on the same mapper (the
+    chat's prompt: the target's own rendering, from its /tokenize), first-step logprobs within 2e-4 where
+    whole; not escalated: the source's own tokens, status source. GET /v1/models lists both models.
+    Guards what real clients send and read: the chat endpoint, SSE framing the client parses, the verdict of
+    a stream (vLLM streams none), headers, and the chat's ids rendered differently for the source's KV than
+    the target's prompt (every chat would fall back)."""
+    import openai
+    import torch
+
+    import kvt
+    from kvt.handoff import handoff
+    from tests.test_vllm import ATOL, NEW, own
+
+    s = toy_stack
+    ks, kt, mapper = s["ks"], s["kt"], s["mapper"]
+    client = openai.OpenAI(base_url=s["urls"]["router"] + "/v1", api_key="none", max_retries=0)
+    models = client.models.list().data
+    assert [m.model_extra["kvt_role"] for m in models] == ["source", "target"], models
+    messages = [{"role": "user", "content": " ".join(s["tok"].decode(s["text"][:60]).split()[:40])}]
+    chat_ids = ask(s["urls"]["target"], {"messages": messages}, "/tokenize")[1]["tokens"]
+    cases = []
+    for kind in ("completions", "chat"):
+        for stream in (False, True):
+            for escalate in (False, True):
+                cases.append((kind, stream, escalate))
+    for kind, stream, escalate in cases:
+        what = f"{kind}, {'streamed' if stream else 'whole'}, {'escalated' if escalate else 'plain'}"
+        args = dict(model="toy", max_tokens=NEW, temperature=0, extra_body=openai_extra(escalate), stream=stream)
+        if kind == "completions":
+            prompt = s["text"][:90]
+            raw = client.completions.with_raw_response.create(prompt=prompt, logprobs=5, **args)
+        else:
+            prompt = chat_ids
+            raw = client.chat.completions.with_raw_response.create(messages=messages, logprobs=True, top_logprobs=5,
+                                                                   **args)
+        out = raw.parse()
+        if stream:
+            chunks = list(out)
+            verdict = chunks[0].model_extra["kvt"]
+            tokens = [t for c in chunks for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
+        else:
+            verdict = out.model_extra["kvt"]
+            tokens = out.choices[0].model_extra["token_ids"]
+            if kind == "completions":
+                top = out.choices[0].logprobs.top_logprobs[0]
+            else:
+                top = {t.token: t.logprob for t in out.choices[0].logprobs.content[0].top_logprobs}
+            got = {int(t.split(":")[1]): lp for t, lp in top.items()}
+        ids = torch.tensor([prompt])
+        if escalate:
+            assert verdict["status"] == "applied" and verdict["slots"] == len(prompt) - 1, (what, verdict)
+            assert (raw.headers["x-kvt-status"], raw.headers["x-kvt-mapper-id"]) == ("applied", verdict["mapper"]), what
+            logits, cache = handoff(ks, kt, mapper, ids)
+            want_lp, want = logits[0, -1].log_softmax(-1), kvt.generate(kt, logits[:, -1], cache, NEW)[0]
+        else:
+            assert verdict == {"status": "source"} and raw.headers["x-kvt-status"] == "source", (what, verdict)
+            want_lp, want = own(ks, ids)
+        assert tokens == want, f"{what}: tokens {tokens}, kvt's {want}"
+        if not stream:
+            err = max(abs(lp - want_lp[t].item()) for t, lp in got.items())
+            assert err <= ATOL, f"{what}: first-step logprobs {err:.2e} from kvt's"
+    assert not list(s["kv_dir"].glob("*.kv.safetensors*")), "KV files left behind"
+
+
+def metric(url, name):
+    """The sum of a Prometheus counter's samples on a vLLM server's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{") or l.startswith(name + " "))
+
+
+@pytest.mark.slow
+def test_mapped_kv_is_never_served_as_an_exact_prefix_hit(toy_stack):
+    """vLLM RFC #44223: approximate KV must not become exact prefix-cache state. After a prompt's mapped
+    (applied) request, the same prompt sent to the target server itself is answered from the target's own
+    prefill (first-step logprobs within 2e-4 of kvt's target alone, and apart from the mapped answer's), twice,
+    and the target's prefix cache has had no hit. Guards a target started with prefix caching (the stack's
+    --no-enable-prefix-caching dropped and the connector's refusal with it): the mapped blocks would be
+    committed under the prompt's exact hashes and served to the plain request as if computed."""
+    import torch
+
+    from kvt.handoff import handoff
+    from tests.test_vllm import ATOL, NEW, own
+
+    s = toy_stack
+    p = s["text"][:140]
+    status, out = through_router(s["urls"]["router"], p, True, NEW)
+    assert out["kvt"]["status"] == "applied", out["kvt"]
+    mapped = first_logprobs(out)
+    own_lp, tokens = own(s["kt"], torch.tensor([p]))
+    logits, _ = handoff(s["ks"], s["kt"], s["mapper"], torch.tensor([p]))
+    assert max(abs(lp - logits[0, -1].log_softmax(-1)[t].item()) for t, lp in mapped.items()) <= ATOL
+    for _ in range(2):
+        status, plain = ask(s["urls"]["target"], {k: v for k, v in {
+            "prompt": p, "max_tokens": NEW, "temperature": 0, "logprobs": 5, "ignore_eos": True,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}.items()})
+        got = first_logprobs(plain)
+        err = max(abs(lp - own_lp[t].item()) for t, lp in got.items())
+        assert err <= ATOL and plain["choices"][0]["token_ids"] == tokens, f"not the target's own prefill: {err:.2e}"
+        assert max(abs(lp - mapped[t]) for t, lp in got.items() if t in mapped) > 10 * ATOL, "served the mapped KV"
+    assert metric(s["urls"]["target"], "vllm:prefix_cache_hits_total") == 0
+
+
+@pytest.mark.slow
+def test_mid_stream_faults_end_cleanly(toy_stack):
+    """Faults in the middle of a stream, through the openai client: a client that goes away after three
+    chunks of a long escalated stream leaves the router and both servers serving (the next escalated request
+    is applied, and the target is running no request within 10 s: vLLM aborted the abandoned one); the source
+    server killed (SIGKILL to its process group) while it streams a long answer ends the client's stream
+    with an error event naming the source, within 60 s, never a hang; then escalated requests are answered
+    by the target's own prefill, fallback_reprefill with "source server: ...". Last in the module: it kills
+    the source. Guards a router thread stuck on a dead or abandoned stream, and a stream cut short that the
+    client takes for a complete answer."""
+    import openai
+    import torch
+
+    from tests.test_vllm import own
+
+    s = toy_stack
+    client = openai.OpenAI(base_url=s["urls"]["router"] + "/v1", api_key="none", max_retries=0, timeout=60)
+    long = dict(model="toy", prompt=s["text"][:30], max_tokens=1900, temperature=0, stream=True)
+    stream = client.completions.create(**long, extra_body=openai_extra(True))
+    for _, chunk in zip(range(3), stream):
+        assert chunk.choices[0].text is not None
+    stream.close()                                                # the client goes away
+    for _ in range(100):
+        if metric(s["urls"]["target"], "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(s["urls"]["target"], "vllm:num_requests_running") == 0, "the abandoned request still runs"
+    status, out = through_router(s["urls"]["router"], s["text"][:50], True, 4)
+    assert status == 200 and out["kvt"]["status"] == "applied", out["kvt"]
+
+    stream = client.completions.create(**long, extra_body=openai_extra(False))
+    ended = {}
+
+    def read():
+        try:
+            ended["chunks"] = sum(1 for _ in stream)
+        except openai.APIError as e:
+            ended["error"] = str(e)
+
+    first = next(iter(stream))
+    assert first.model_extra["kvt"] == {"status": "source"}
+    os.killpg(s["pids"]["source"], signal.SIGKILL)                # the source server dies mid-stream
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(60)
+    assert ended, "the client's stream hung after the source server died"
+    assert "source server" in ended.get("error", ""), f"the stream ended without an error event: {ended}"
+    while alive(s["pids"]["source"]):
+        time.sleep(0.2)
+    for n in (30, 90):
+        status, out = through_router(s["urls"]["router"], s["text"][:n], True, 8)
+        assert status == 200 and out["kvt"]["status"] == "fallback_reprefill", out
+        assert out["kvt"]["reason"].startswith("source server: "), out["kvt"]
+        assert out["choices"][0]["token_ids"] == own(s["kt"], torch.tensor([s["text"][:n]]))[1], "the target's own"

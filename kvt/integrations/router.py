@@ -8,10 +8,15 @@
 and stops them all on Ctrl-C or SIGTERM.
 
 The router answers POST /v1/completions (an OpenAI completions body: one prompt, a string or a list of token
-ids; no streaming) and GET /health. The rule: a request escalates to the target when its body says
+ids) and POST /v1/chat/completions (a chat body with "messages"), whole or streamed ("stream": true), GET
+/v1/models (both servers' models, each with its "kvt_role") and GET /health (with the answers served, by kvt
+status). The rule: a request escalates to the target when its body says
 "escalate": true (a router-only field, removed before forwarding), or when its prompt holds at least
 --escalate-at tokens (0: never by length; a string is counted by the source server's POST /tokenize, a list
 of ids is its own count; a source that cannot count it escalates it, since the target can prefill it alone).
+A chat that may escalate is rendered once, by the target server's POST /tokenize with its messages (the
+target's chat template): the source saves KV for exactly those ids, which the target's chat endpoint renders
+again; a model without a chat template answers with its own error, passed on.
 "model" is dropped: the router picks the server.
 
 - Not escalated: the body goes to the source as is; the answer is the source's, with "kvt": {"status": "source"}.
@@ -23,12 +28,18 @@ of ids is its own count; a source that cannot count it escalates it, since the t
   "reason"). The KV file is deleted afterwards. When (a) fails (refused, timed out, an HTTP error), (b) goes
   without the file and "kvt" is {"status": "fallback_reprefill", "reason": "source server: <why>"}.
 - A server that fails its part: HTTP 502 (or its own 4xx, a bad request) with a JSON error naming it and
-  "kvt": {"status": "error", "reason": ...}. Every answer carries a "kvt" status, never a traceback.
+  "kvt": {"status": "error", "reason": ...}. Every answer carries a "kvt" status, never a traceback, and the
+  headers x-kvt-status (and x-kvt-mapper-id where applied), as semantic-router names its KV-transfer status.
+- A stream is relayed event by event as the server sends it; the headers and the first event (with "kvt")
+  go out when the server's first event arrives. vLLM streams no kv_transfer_params, so the target's connector
+  also writes its verdict to the file kv_transfer_params["kvt_verdict"] names, decided before the first token.
+  A server that dies or stalls (--timeout) mid-stream ends the stream with one error event; a client that
+  goes away closes the server's stream, and vLLM aborts the request.
 
 vLLM 0.32's OpenAI server copies a completions body's kv_transfer_params into SamplingParams.extra_args
 (vllm/entrypoints/openai/completion/protocol.py, to_sampling_params), where the connector reads it as
 request.kv_transfer_params (vllm/v1/request.py), and returns the connector's request_finished params as the
-response's kv_transfer_params (completion/serving.py). The standard library only: no vLLM, no torch here.
+response's kv_transfer_params (completion/serving.py; chat_completion/ the same for chats). The standard library only: no vLLM, no torch here.
 """
 import argparse
 import http.client
@@ -429,9 +440,10 @@ def stack(a):
     signal.signal(signal.SIGTERM, interrupted)     # SIGTERM stops the children as Ctrl-C does
     servers, procs = {}, []
     try:
+        chat = ("--chat-template", str(Path(a.chat_template).resolve())) if a.chat_template else ()
         for name, model, config, cpus, extra in (
-                ("source", a.source, src_config, a.source_cpus, ()),
-                ("target", a.target, tgt_config, a.target_cpus, ("--no-enable-prefix-caching",))):
+                ("source", a.source, src_config, a.source_cpus, chat),
+                ("target", a.target, tgt_config, a.target_cpus, ("--no-enable-prefix-caching", *chat))):
             port, log = free_port(), work / f"{name}.log"
             procs.append(start_vllm(py, model, port, config, log, a, cpus, *extra))
             servers[name] = (f"http://127.0.0.1:{port}", procs[-1], log, model)
@@ -465,6 +477,8 @@ def main(argv=None):
     t.add_argument("--kv-dir", help="folder for the KV files and the servers' logs (default: a new temporary one)")
     t.add_argument("--dtype", default="float32", help="the servers' dtype: float32 or bfloat16 (kvt's connector reads both)")
     t.add_argument("--max-model-len", type=int, default=2048)
+    t.add_argument("--chat-template", type=Path, help="a Jinja chat template for both servers (vLLM's --chat-template), "
+                   "for models whose tokenizer has none")
     t.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for each server's /health")
     for side in ("source", "target"):
         t.add_argument(f"--{side}-cpus", help=f"the cores the {side} server's engine runs on, e.g. 0 or 0-7 "

