@@ -162,14 +162,14 @@ def served(url):
 
 def load(a, urls, work):
     """`vllm bench serve` against the router: --load random prompts of 150 to 450 tokens (its random dataset,
-    input 300, range ratio 0.5; seed 0), 16 streamed output tokens each, 4 at a time; prompts of
+    input 300, range ratio 0.5; seed 0), 16 streamed greedy output tokens each, 4 at a time; prompts of
     --escalate-at tokens or more escalate by the router's rule. Its result JSON, and the router's answers
     during the run by kvt status."""
     before = served(urls["router"])
     cmd = [a.python, "-c", BENCH, "--backend", "vllm", "--base-url", urls["router"], "--endpoint", "/v1/completions",
            "--model", "toy", "--tokenizer", str(PAIRS[a.pair][1]), "--dataset-name", "random",
            "--random-input-len", "300", "--random-range-ratio", "0.5", "--random-output-len", "16",
-           "--num-prompts", str(a.load), "--max-concurrency", "4", "--ignore-eos", "--seed", "0",
+           "--num-prompts", str(a.load), "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--seed", "0",
            "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99", "--save-result",
            "--result-dir", str(work), "--result-filename", "load.json"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -225,6 +225,9 @@ def route(r, path, body):
     except Failed as e:
         remove(path_kv)
         return e.status, error(e.status, str(e))
+    except BaseException:
+        remove(path_kv)
+        raise
     if isinstance(out, Stream):
         out.done = lambda: remove(path_kv)                     # once the stream is relayed
     else:
@@ -287,10 +290,10 @@ class Handler(BaseHTTPRequestHandler):
                 out.response.close()
                 if out.done:
                     out.done()
-        self.reply(status, out)
+        self.reply(status, out, counted=True)
 
-    def reply(self, status, out):
-        if "kvt" in out:                                      # an answer to a request (GETs are the router's own)
+    def reply(self, status, out, counted=False):
+        if counted:                                           # an answer to a completions or chat request
             self.server.router.count(out["kvt"].get("status", "unknown"))
         data = json.dumps(out).encode()
         self.send_response(status)
@@ -326,7 +329,7 @@ class Handler(BaseHTTPRequestHandler):
         if why is None:
             return self.server.router.count(verdict.get("status", "unknown"))
         if verdict is None:
-            return self.reply(502, error(502, why))
+            return self.reply(502, error(502, why), counted=True)
         self.server.router.count("error")
         try:
             self.wfile.write(b"data: " + json.dumps(error(502, why)).encode() + b"\n\n")
