@@ -2,10 +2,12 @@
 
 By default the servers are fakes on loopback (standard-library HTTP servers in threads) that record what
 they receive and answer as vLLM's OpenAI server with kvt's connector does: the rule, the two flows, the
-verdict passed on, the fallbacks and the KV file's lifetime run in a second, without vLLM. The slow tests
-start the real stack on the toy pair (`python -m kvt.integrations.router stack`, two vLLM servers in the
-vLLM Python of tests/test_vllm.py) and check its tokens against kvt's own handoff, in float32 under load
-and with the source server killed, and in bf16.
+verdict passed on, the fallbacks, the KV file's lifetime, chats, headers, /v1/models and streams (relayed,
+cut, abandoned) run in seconds, without vLLM. The slow tests start the real stack on the toy pair (`python -m
+kvt.integrations.router stack`, two vLLM servers in the vLLM Python of tests/test_vllm.py), once in bf16 and
+once in float32 for four tests (toy_stack): tokens against kvt's own handoff under load, the official openai
+client (completions and chat, whole and streamed), mapped KV never an exact prefix hit, and faults mid-stream
+(the client gone, the source server killed).
 """
 import json
 import os
@@ -480,7 +482,7 @@ def first_logprobs(out):
 
 @pytest.mark.slow
 def test_the_stack_in_bf16(tmp_path):
-    """The same stack with both servers in bf16 (vLLM's "amx" KV layout on a CPU with AMX tiles, "vec"
+    """The documented stack with both servers in bf16 (vLLM's "amx" KV layout on a CPU with AMX tiles, "vec"
     without): an escalated request of 150 token ids through HTTP is applied, and its first-step logprobs and
     greedy tokens lie within bf16's own rounding of kvt's bf16 handoff (test_vllm.assert_like_kvt_bf16).
     Guards the bf16 path as deployed: the stack's --dtype reaching both servers, and their KV read and

@@ -35,7 +35,15 @@ vLLM's CPU attention keeps each layer's KV as one (num_blocks, Hkv, block_size, 
 KV head, the keys, then the values, keys after RoPE as kvt's Cache holds them, in the layout of the kernels
 vLLM picks for the engine's dtype and CPU (LAYOUTS): "vec" (float32; bf16 without AMX) or "amx" (bf16 on
 a CPU with AMX tiles). read_slots and write_slots index them; tests/test_vllm.py checks both against
-vLLM's own writer (cpu_attn_reshape_and_cache). The connector refuses any other layout in one line.
+vLLM's own writer (cpu_attn_reshape_and_cache). On a GPU, vLLM 0.32's FlashAttention, FlashInfer and Triton
+backends keep the same logical (num_blocks, Hkv, block_size, 2 * D) view per layer, each row a slot's key,
+then its value, in a physical order of vLLM's choosing (KVCacheLayout): the "gpu" layout, checked on CPU tensors
+laid out by vLLM's own create_kv_cache_views, not yet run on a GPU. The connector refuses any other layout in
+one line.
+
+A request's kv_transfer_params may also name "kvt_verdict": a file the scheduler writes the request's verdict
+to as soon as it decides (and again if the load fails on the worker), for a router that relays a stream:
+vLLM returns kv_transfer_params with a whole answer only.
 vLLM is imported here only, and only when this file is.
 """
 import json
