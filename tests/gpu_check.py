@@ -18,11 +18,21 @@
    bench at 128 tokens (the CPU's
    peak is reported, not checked: the process's resident memory counts the tokenizer and data too).
    --only headline runs this step alone.
+4. kvt's vLLM connector on the GPU (`--only serving`, or after the others when this Python imports vLLM, the
+   CUDA build): tests/test_vllm.py's long checks in this Python (KVT_VLLM_PYTHON): kvt's "gpu" KV layout
+   against vLLM's own views, the source engine's saved KV against kvt's forward, the target engine's tokens
+   and logprobs against kvt's handoff (float32, then bf16 within bf16's own rounding), the fallbacks, and
+   the router's stack tests (tests/test_router.py) with both servers on the GPU: serving.txt. Not yet run
+   on a GPU (docs/serving.md); without vLLM here it says so in serving.txt and stops.
 Random weights: times, not accuracy. The first line of each file names the device.
 """
 import argparse
 import contextlib
+import importlib.util
 import io
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -120,14 +130,31 @@ def headline_check(device, out, small):
     return lines
 
 
+def serving_check():
+    """Text lines: kvt's vLLM connector and router tests run in this Python, on its vLLM's device."""
+    if importlib.util.find_spec("vllm") is None:
+        return ["serving: not run: this Python has no vLLM (pip install vllm, its CUDA build, then rerun "
+                "`python -m tests.gpu_check --only serving --out DIR`)"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "slow", "tests/test_vllm.py", "tests/test_router.py"]
+    r = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                       env={**os.environ, "KVT_VLLM_PYTHON": sys.executable})
+    return [f"serving, {bench.hardware('cuda' if torch.cuda.is_available() else 'cpu')}: {' '.join(cmd[1:])}",
+            *r.stdout.strip().splitlines()[-40:], f"exit status {r.returncode}"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--small", action="store_true", help="toy sizes: try the script without a GPU")
-    ap.add_argument("--only", choices=["headline"], help="run one step alone")
+    ap.add_argument("--only", choices=["headline", "serving"], help="run one step alone")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.only == "serving":
+        lines = serving_check()
+        (args.out / "serving.txt").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     if args.only == "headline":
         lines = headline_check(args.device, args.out, args.small)
         (args.out / "headline.txt").write_text("\n".join(lines) + "\n")
@@ -147,6 +174,9 @@ def main(argv=None):
     print("\n".join(lines))
     lines = headline_check(args.device, args.out, args.small)
     (args.out / "headline.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    lines = serving_check()
+    (args.out / "serving.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

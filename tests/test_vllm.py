@@ -387,6 +387,20 @@ def test_bf16_engines_equal_kvt_handoff_in_bf16(case):
 
 
 @pytest.mark.slow
+def test_kvt_writes_vllms_gpu_layout_on_cpu_tensors(tmp_path):
+    """kvt's "gpu" layout on CPU tensors laid out by the installed vLLM's own code for a GPU attention backend
+    (tests/vllm_engines.py gpu_layouts): bf16 and fp16, block sizes 16 to 64, head dims 64 to 256, the four
+    physical KVCacheLayouts (three of them non-contiguous views); each layer's view has the shape vLLM declares,
+    each written slot's key and value sit at (block, offset, head) of FlashAttention's own view, nothing else
+    moved, and read_slots reads them back. Guards K and V swapped (or interleaved) within a row, heads and
+    slots transposed, a write that assumes a contiguous view, and a vLLM whose GPU layout has changed."""
+    got = engine(vllm_python(tmp_path), "gpu_layouts", "none", [], tmp_path)
+    assert len(got) == 40, got
+    for case in got:
+        assert case["shape"] == case["declared"] and case["lands"] and case["only_there"] and case["read"], case
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("edit", ["noise", "two values"])
 def test_a_target_with_other_weights_falls_back(case, edit):
     """A target engine whose weights are not the mapper's target's (toy-m's config.json, every tensor moved

@@ -5,6 +5,7 @@
     python -m tests.vllm_engines ttft weights/toy-m requests.json out.json --mapper m.safetensors --repeats 5
     python -m tests.vllm_engines start weights/toy-m none.json out.json --mapper m.safetensors --prefix-caching
     python -m tests.vllm_engines layouts none none.json out.json
+    python -m tests.vllm_engines gpu_layouts none none.json out.json
 
 requests.json: a list of {"ids": [...], "save": path} (source) or {"ids": [...], "load": path or null} (target;
 a source engine answers a load as "unsupported").
@@ -65,6 +66,52 @@ def layouts():
     return out
 
 
+def gpu_layouts():
+    """kvt's "gpu" layout (serving.split_views) against how vLLM 0.32 lays out a GPU attention backend's KV, on
+    CPU tensors: two layers' views of one buffer made by vLLM's own create_kv_cache_views for a
+    FullAttentionSpec, in each physical KVCacheLayout a GPU backend may get; their shape as vLLM declares it
+    (compute_layer_kv_cache_shape_bytes: (blocks, Hkv, block_size, 2 D) elements); kvt's write_slots into layer
+    0, then read through FlashAttention's own view of a layer's KV (its forward: kv_cache.transpose(1, 2)
+    .split(head_size, dim=-1), (blocks, block_size, Hkv, D) each) at reshape_and_cache_flash's slot index
+    (block * block_size + offset). Per case: whether each written (block, offset, head) holds its key and
+    value, nothing else moved (the rest of layer 0 and all of layer 1 still zero), and read_slots reads back."""
+    import torch
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, compute_layer_kv_cache_shape_bytes,
+                                            create_kv_cache_views)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from kvt.integrations.serving import read_slots, slots, write_slots
+    out = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for bs, D in ((16, 64), (16, 128), (32, 80), (64, 128), (16, 256)):
+            for layout in (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLNHC, KVCacheLayout.BLHNC):
+                nb, H, n = 5, 3, 2 * bs + 5
+                spec = FullAttentionSpec(block_size=bs, num_kv_heads=H, head_size=D, dtype=dtype)
+                shape = compute_layer_kv_cache_shape_bytes(spec, nb)               # (B, H, N, C bytes)
+                page = shape[1] * shape[2] * shape[3]
+                strides = (page * nb, page) if layout.is_layer_compact else (page, 2 * page)  # layer, block
+                tensor = KVCacheTensor(size=2 * nb * page, layers=["l0", "l1"], layer_stride=strides[0],
+                                       block_stride=strides[1])
+                raw = torch.zeros(tensor.size, dtype=torch.int8)
+                kv0, kv1 = create_kv_cache_views(raw, spec, nb, layout, tensor)     # (nb, H, bs, 2 D) each
+                g = torch.Generator().manual_seed(bs + D)
+                K, V = (torch.randn(n, H, D, generator=g).to(dtype) for _ in range(2))
+                blocks = torch.randperm(nb, generator=g)[:3].tolist()
+                block, offset = slots(blocks, n, bs)
+                write_slots(kv0, "gpu", block, offset, K, V)
+                key_cache, value_cache = kv0.transpose(1, 2).split(D, dim=-1)       # FlashAttention's view
+                slot = block * bs + offset                                           # reshape_and_cache_flash's
+                lands = (torch.equal(key_cache.flatten(0, 1)[slot], K) and torch.equal(value_cache.flatten(0, 1)[slot], V))
+                k, v = read_slots(kv0, "gpu", block, offset)
+                out.append({"dtype": str(dtype), "block_size": bs, "head_dim": D, "layout": layout.name,
+                            "shape": list(kv0.shape), "declared": [shape[0], shape[1], shape[2],
+                                                                    shape[3] // dtype.itemsize],
+                            "contiguous": kv0.is_contiguous(), "lands": lands,
+                            "only_there": int((kv0 != 0).sum()) == 2 * n * H * D and not kv1.any().item(),
+                            "read": torch.equal(k, K) and torch.equal(v, V)})
+    return out
+
+
 def params(max_tokens, extra, logprobs=20):
     from vllm import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, extra_args=extra,
@@ -107,7 +154,7 @@ def ttft(llm, requests, repeats):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["source", "target", "ttft", "start", "layouts"])
+    p.add_argument("what", choices=["source", "target", "ttft", "start", "layouts", "gpu_layouts"])
     p.add_argument("model")
     p.add_argument("requests")
     p.add_argument("out")
@@ -119,7 +166,7 @@ def main():
     p.add_argument("--dtype", default="float32", help="the engine's dtype")
     p.add_argument("--block-size", type=int, help="start: the engine's KV block size")
     a = p.parse_args()
-    requests = json.load(open(a.requests)) if a.what not in ("start", "layouts") else []
+    requests = json.load(open(a.requests)) if a.what not in ("start", "layouts", "gpu_layouts") else []
     gate = {k: float(v) for k, v in (g.split("=") for g in a.gate)}
     if a.what == "start":                           # does the engine start? "started" or why not
         try:
@@ -129,6 +176,8 @@ def main():
             result = str(e)
     elif a.what == "layouts":
         result = layouts()
+    elif a.what == "gpu_layouts":
+        result = gpu_layouts()
     elif a.what == "source":
         result = run(engine(a.model, role="kv_producer", dtype=a.dtype), requests, 1, "kv_producer")
     elif a.what == "target":

