@@ -80,7 +80,9 @@ SCHEME = "w2"          # prefixes every sampled id, "w2:<16 hex>"; w1 (unprefixe
 DIGEST = "d1"          # prefixes every digest, "d1:<16 hex>": every value
 SAMPLE_COLS = 8        # of each matrix: every row, at its 8 middle columns (one cache line a row: cheap in memory)
 ROW_BLOCK = 1 << 24    # values read at a time from a checkpoint's tensor (64 MB in float32)
-DIGEST_BLOCK = 1 << 22  # values a loading thread hashes at a time (its temporaries: 16 MB)
+DIGEST_BLOCK = 1 << 18  # values a loading thread hashes at a time (its temporaries: 1 MB at most)
+HASH_THREADS = 4        # at most, hashing while loading: 4 cores of sha256 (1-2 GB/s each) outrun most disks,
+                        # and few threads keep few allocator arenas (loading stays within 1.2x: test_smollm2.py)
 FP16_NORMAL = 2.0 ** -14                         # the smallest normal float16
 
 
@@ -425,7 +427,7 @@ def load_weights(model, path):
     then reads no weight again), in threads beside the copying, a tensor each (hashlib and torch let go of
     the GIL)."""
     kept, hashing = model.__dict__.setdefault("kvt_weights", {}), {}
-    with ThreadPoolExecutor() as pool:
+    with ThreadPoolExecutor(min(HASH_THREADS, os.cpu_count() or 1)) as pool:
         for name, (handle, key) in check_checkpoint(model, path).items():
             p = model.get_parameter(name)
             try:

@@ -107,7 +107,8 @@ def main(argv=None):
           f"{rate / 1e6:.0f}M bf16 values/s (model_digest), sha256 alone {sha_rate() / 1e9:.2f} GB/s")
     print(f"model, Qwen3-14B's shape ({big / 1e9:.1f}B values, {2 * big / 1e9:.1f} GB bf16, read at "
           f"{a.disk_gbs:g} GB/s: {read:.0f} s): hashing its {hashed / 1e9:.1f}B decoder values takes "
-          f"{hashed / rate:.0f} s of one core's time, {hashed / rate / 16:.0f} s on 16 cores beside the read")
+          f"{hashed / rate:.0f} s of one core's time, {hashed / rate / weights.HASH_THREADS:.0f} s on load_weights' "
+          f"{weights.HASH_THREADS} threads, beside the read")
 
 
 def sha_rate(n=64 << 20):
