@@ -6,7 +6,8 @@ import torch
 import kvt
 from kvt.harness import bench as B
 from kvt.harness.bench import bench, bench_lean, random_mapper, token_ids, transfer_step
-from kvt.handoff import Recompute, handoff
+from kvt.handoff import handoff
+from kvt.harness.recompute import Recompute
 from kvt.harness.plan import forward_flops
 from tests.conftest import tiny_config
 

@@ -20,7 +20,7 @@ For each context length n and each direction (source -> target):
   plain transfer s (with --both) the transfer on the plain path (Mapper.apply, Cache.update's torch.cat),
                    timed in the same rounds; --plain times everything on the plain path
   + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
-                   mapped slots itself (handoff.Recompute; timed on the last f of the slots, since
+                   mapped slots itself (recompute.Recompute; timed on the last f of the slots, since
                    the cost depends on their number, not on which ones attention would choose)
 Each is warmed up, synchronized before every clock read, and the median of `repeats` runs; at each
 length a direction's target prefill and transfer are timed in turn, so host drift moves both alike. Timing
@@ -44,7 +44,8 @@ from tqdm import tqdm
 from kvt.config import KvtError, at_least, command, parse_pair, plain_requested, shape
 from kvt.harness.dist import check_devices
 from kvt.fast import keep_freed_memory, map_cache
-from kvt.handoff import Recompute, take_over
+from kvt.handoff import take_over
+from kvt.harness.recompute import Recompute
 from kvt.harness.calibration import check_pair_weights
 from kvt.mapper import Mapper
 from kvt.loading import build_model, layer_devices
@@ -213,9 +214,8 @@ def transfer_step(target, mapper, cache, ids, n, frac=0.0, plain=False):
     """The timed part of a handoff of ids[:, :n]: handoff.take_over on the source's cache of the first
     n - 1 tokens (a crop of `cache`), the target recomputing the last `frac` of those slots (if any) and
     running token n itself (plain: take_over's). Returns its logits and cache."""
-    slots = Recompute(frac=frac, by="suffix").slots(n - 1) if frac else None
-    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], slots=slots,
-                     slot_ids=None if slots is None else ids[:, slots], plain=plain)
+    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], recompute=Recompute(frac=frac, by="suffix"),
+                     prompt_ids=ids[:, :n - 1], plain=plain)
 
 
 def map_step(target, mapper, cache, ids, n, plain=False):

@@ -56,7 +56,7 @@ from kvt.config import (KvtError, at_least, check_matched_kv, checkpoint_name, f
 from kvt.harness.data import calibration_sequences, check_same_tokenizer, heldout_windows, read_documents
 from kvt.harness.figures import retention_png
 from kvt.harness.diagnose import MAX_KL, MIN_ATTN_COS, diagnose, format_diagnostics, gate, next_nll
-from kvt.handoff import Recompute
+from kvt.harness.recompute import Recompute
 from kvt.harness.calibration import CalibrationOptions, add_mlp, calibrate, check_pair_weights
 from kvt.harness.files import MAPPER_FORMAT, STATS_FORMAT, load_mapper, save_mapper, short_id
 from kvt.loading import check_weights, layer_devices

@@ -19,7 +19,7 @@ model_args (comma-separated key=value, as for any harness model):
                      prefills the context, the mapper carries its cache to the target, which runs the last
                      context token and scores or generates the continuation; kvt.harness.evals.transfer)
     recompute_last, recompute_first, recompute_frac, recompute_by
-                     transfer with a recompute budget (kvt.handoff.Recompute; kvt run's options)
+                     transfer with a recompute budget (kvt.harness.recompute.Recompute; kvt run's options)
     mapper           a saved mapper file; without it, the mapper `kvt run` would make with its defaults is
                      calibrated (or reused) in out=DIR (default runs/<source>_<target>, as kvt run's)
     calib, calib_seqs, calib_len, data_dir   that calibration's text (a file or folder), size and data folder
@@ -52,7 +52,7 @@ import kvt
 from kvt.harness import dist, evals, pipeline, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair, plain_requested
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
-from kvt.handoff import Recompute
+from kvt.harness.recompute import Recompute
 from kvt.harness.calibration import check_pair_weights
 from kvt.harness.files import load_mapper
 from kvt.loading import layer_devices
