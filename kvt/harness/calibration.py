@@ -28,7 +28,7 @@ from tqdm import tqdm
 from kvt import fast, mlp, ridge
 from kvt.capture import capture, features
 from kvt.config import KvtError, check_matched_kv, matched_kv
-from kvt.harness import attnfit, dist
+from kvt.harness import attnfit, dist, whiten
 from kvt.harness.files import load_fits, load_mlp_checkpoint, load_stats, save_fits, save_mlp_checkpoint, save_stats, short_id
 from kvt.harness.plan import describe_plan, layer_group_bound, memory_plan, sums_bytes
 from kvt.mapper import flat, from_fits, unflat
@@ -52,7 +52,8 @@ class CalibrationOptions:
     keep_stats: bool = True       # False: a layer-level pass keeps its fits on disk, not its statistics
     save_s: float = SAVE_S        # seconds between statistics checkpoints
     select: Callable = None       # a layer-selection rule (stats, kind, k, lams) -> (Lt, k); default the paper's
-    weights: str = "uniform"      # "uniform" (the paper's) or "attention" (attnfit.py, head scope only)
+    weights: str = "uniform"      # "uniform" (the paper's), "attention" (attnfit.py, head scope only) or
+                                  # "whitened" (attention and the keys' query metric, whiten.py)
     plain: bool = False           # float64 products (stats.add_batches) instead of the fast adder
 
 
@@ -180,10 +181,10 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     tokenizer, the pair's weight fingerprints (weights_meta) and, if any, the lambdas skipped as singular."""
     o, src_cfg, tgt_cfg = options, source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
-    if o.weights not in ("uniform", "attention"):
-        raise KvtError(f"token weights {o.weights!r} are not known; use 'uniform' or 'attention'")
-    if o.weights == "attention" and scope != "head":
-        raise KvtError("the attention-weighted fit (--token-weights attention) is head-local; use it with --scope head")
+    if o.weights not in ("uniform", "attention", "whitened"):
+        raise KvtError(f"token weights {o.weights!r} are not known; use 'uniform', 'attention' or 'whitened'")
+    if o.weights != "uniform" and scope != "head":
+        raise KvtError(f"the attention-weighted fit (--token-weights {o.weights}) is head-local; use it with --scope head")
     matched, lams = matched_kv(src_cfg, tgt_cfg), ridge.lambdas(lam)
     k = min(k, len(candidate_layers(src_cfg.n_layers, o.candidates)))
     device = o.stats_device or next(source.parameters()).device
@@ -207,7 +208,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
         del stats                                      # free the first pass before the next allocates
         bound = layer_group_bound(src_cfg, tgt_cfg, k, o.group, o.candidates)
         fits, skipped["fit"] = layer_fits(run_pass, src_cfg, tgt_cfg, selected, lams, bound, o)
-    elif o.weights == "attention":                     # kvt's option: a second, attention-weighted pass
+    elif o.weights != "uniform":                       # kvt's option: a second, attention-weighted pass
         fits, alphas = weighted_fits(source, target, calib, stats, selected, lams, skipped["fit"], batch_size, o)
     else:
         fits = {kind: ridge.fit_layers(stats, kind, selected[kind], lams, skipped["fit"][kind], host=True)
@@ -216,7 +217,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
             "calib": calib.hash(), "src_range": src_range, **weights_meta(source, target)}
     if alphas is not None:
         per_layer = {kind: [alphas[kind][t] for t in range(tgt_cfg.n_layers)] for kind in KINDS}
-        meta.update(weights="attention", alpha=per_layer)   # per target layer, per head
+        meta.update(weights=o.weights, alpha=per_layer)     # per target layer, per head
     meta.update(ridge.skipped_meta(skipped))
     if "lambda_skipped" in meta and dist.rank() == 0:
         print(f"warning: ridge skipped lambdas whose system is singular: {skipped_text(skipped)}")
@@ -282,8 +283,10 @@ def weighted_fits(source, target, calib, stats, selected, lams, skipped, batch_s
     attnfit.capture_weighted and attnfit.add_weighted) streams the r-weighted sums of every target
     layer's selected source layers (selected: kind -> (Lt, k)), checkpointed as
     CHECKPOINT.attn-<id of the selection>; then attnfit.fit_layers blends them into the first pass's
-    plain sums `stats` per kind. Returns (fits {kind: {target layer: (W, b, R^2, lambda)}}, alphas
-    {kind: {target layer: [alpha per head]}}); skipped {kind: {}} gets the singular lambdas."""
+    plain sums `stats` per kind (options.weights "whitened": the keys' error measured in the target's
+    query metrics, whiten.query_metrics over calib.fit). Returns (fits {kind: {target layer: (W, b,
+    R^2, lambda)}}, alphas {kind: {target layer: [alpha per head]}}); skipped {kind: {}} gets the
+    singular lambdas."""
     sel_id = short_id({kind: selected[kind].tolist() for kind in KINDS})
     device = stats.part("k", "fit").xx.device
     wstats = attnfit.new_weighted_stats(source.config, target.config, selected, device, f"{options.key}-attn-{sel_id}")
@@ -291,8 +294,10 @@ def weighted_fits(source, target, calib, stats, selected, lams, skipped, batch_s
                          options.checkpoint and f"{options.checkpoint}.attn-{sel_id}", save_s=options.save_s,
                          progress=options.progress, add=attnfit.add_weighted, capture_target=attnfit.capture_weighted)
     alphas = {kind: {} for kind in KINDS}
+    metric = {"k": whiten.query_metrics(target, calib.fit, batch_size) if options.weights == "whitened" else None,
+              "v": None}                               # whitened: the keys' error in the queries' metric
     fits = {kind: attnfit.fit_layers(stats, wstats, kind, selected[kind], lams, skipped[kind], host=True,
-                                     alphas=alphas[kind]) for kind in KINDS}
+                                     alphas=alphas[kind], metric=metric[kind]) for kind in KINDS}
     return fits, alphas
 
 
