@@ -39,6 +39,7 @@ from kvt.stats import KINDS
 RULES = ("attention", "suffix", "rank", "random", "error")
 ORACLES = ("error",)      # rules that read the target's true KV: a reference, not a repair
 RANK = 128                # RaReCache's r
+RANK_SEQS = 64            # calibration sequences rank_basis reads at most (the first ones of the fit region)
 
 
 def attention_mass(cache, window=32):
@@ -78,7 +79,7 @@ def rank_basis(source, mapper, seqs, r=RANK, batch_size=8):
                        f"them all (every score 0); give r within 1..{d - 1} (--recompute-rank)")
     moment = {kind: [torch.zeros(d, d, dtype=torch.float64) for _ in range(cfg.n_layers)] for kind in KINDS}
     for i in tqdm(range(0, len(seqs), batch_size), desc="rank subspace", leave=False):
-        _, src_cache = source(seqs[i:i + batch_size], last=True)
+        _, src_cache = source(seqs[i:i + batch_size].to(next(source.parameters()).device), last=True)
         mapped = mapper.apply(src_cache)
         for kind in KINDS:
             for l in range(cfg.n_layers):
@@ -163,6 +164,11 @@ class Recompute(handoff.Recompute):
         if self.by == "error":
             return error_scores(self.target, cache, ids).cpu()
         return None
+
+
+def rank_sequences(calib):
+    """The calibration sequences (N, T) rank's subspaces are taken on: the first RANK_SEQS of the fit region."""
+    return calib.fit[:RANK_SEQS]
 
 
 def budget(last=0, first=0, frac=0.0, by="attention", *, source=None, target=None, mapper=None, calib_seqs=None,

@@ -18,8 +18,9 @@ model_args (comma-separated key=value, as for any harness model):
     condition        target (the target's own prefill), source (the source alone), or transfer (the source
                      prefills the context, the mapper carries its cache to the target, which runs the last
                      context token and scores or generates the continuation; kvt.harness.evals.transfer)
-    recompute_last, recompute_first, recompute_frac, recompute_by
-                     transfer with a recompute budget (kvt.harness.recompute.Recompute; kvt run's options)
+    recompute_last, recompute_first, recompute_frac, recompute_by, recompute_rank
+                     transfer with a recompute budget (kvt.harness.recompute.Recompute; kvt run's options:
+                     recompute_by attention, suffix, rank, random or error, the oracle; recompute_rank r)
     mapper           a saved mapper file; without it, the mapper `kvt run` would make with its defaults is
                      calibrated (or reused) in out=DIR (default runs/<source>_<target>, as kvt run's)
     calib, calib_seqs, calib_len, data_dir   that calibration's text (a file or folder), size and data folder
@@ -52,7 +53,7 @@ import kvt
 from kvt.harness import dist, evals, pipeline, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair, plain_requested
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
-from kvt.harness.recompute import Recompute
+from kvt.harness.recompute import RANK, RULES, budget as recompute_budget, rank_sequences
 from kvt.harness.calibration import check_pair_weights
 from kvt.harness.files import load_mapper
 from kvt.loading import layer_devices
@@ -66,7 +67,7 @@ except ImportError as e:  # an optional extra, never a requirement of kvt itself
     raise KvtError(f"kvt.integrations.lm_eval needs lm-evaluation-harness ({e}); pip install 'kvt[lmeval]'") from None
 
 CONDITIONS = ("target", "source", "transfer")
-RECOMPUTE_BY = ("attention", "suffix")
+RECOMPUTE_BY = RULES
 
 
 def model_arg(key, value, kind=int, least=None, most=None):
@@ -84,16 +85,22 @@ def model_arg(key, value, kind=int, least=None, most=None):
     return v
 
 
-def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, calib_seqs=None, calib_len=None,
-               data_dir=None, plain=False):
-    """The mapper `kvt run --source SRC --target TGT --out OUT` makes with its defaults: reused from OUT
-    when it is there, else calibrated and saved there (pipeline.get_mapper; plain: --plain's)."""
+def run_calibration(src_dir, tgt_dir, tok, out, calib=None, calib_seqs=None, calib_len=None, data_dir=None,
+                    plain=False):
+    """(Settings, calibration sequences) of `kvt run --source SRC --target TGT --out OUT` with its defaults."""
     s = pipeline.Settings(source=Path(src_dir), target=Path(tgt_dir), out=Path(out),   # the run's defaults, for a pair
                           calib=[Path(calib)] if calib else None, calib_seqs=calib_seqs or None,
                           calib_len=calib_len or None, plain=plain,
                           **({"data_dir": Path(data_dir)} if data_dir else {}))
-    seqs = calibration_sequences(s.calib, tok, s.calib_seqs, s.calib_len, seed=s.seed,
-                                 documents=pipeline.toy_calibration_text(s))
+    return s, calibration_sequences(s.calib, tok, s.calib_seqs, s.calib_len, seed=s.seed,
+                                    documents=pipeline.toy_calibration_text(s))
+
+
+def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, calib_seqs=None, calib_len=None,
+               data_dir=None, plain=False):
+    """The mapper `kvt run --source SRC --target TGT --out OUT` makes with its defaults: reused from OUT
+    when it is there, else calibrated and saved there (pipeline.get_mapper; plain: --plain's)."""
+    s, seqs = run_calibration(src_dir, tgt_dir, tok, out, calib, calib_seqs, calib_len, data_dir, plain)
     skey = pipeline.stats_key(s, Path(src_dir), Path(tgt_dir), seqs)
     Path(out).mkdir(parents=True, exist_ok=True)
     mapper, _ = pipeline.get_mapper(s, source, target, tok, seqs, Path(out), skey, dtype)
@@ -105,7 +112,7 @@ class KvtLM(LM):
     """An lm-evaluation-harness model answering every request under one kvt condition (the module docstring)."""
 
     def __init__(self, source=None, target=None, pair=None, weights=None, condition="target", mapper=None, out=None,
-                 recompute_last=0, recompute_first=0, recompute_frac=0.0, recompute_by="attention",
+                 recompute_last=0, recompute_first=0, recompute_frac=0.0, recompute_by="attention", recompute_rank=RANK,
                  calib=None, calib_seqs=None, calib_len=None, data_dir=None, dtype=None, device=None, batch_size=1,
                  max_length=None, rolling_context=1, plain=False,
                  max_batch_size=None):  # max_batch_size: the harness's, unused
@@ -115,6 +122,7 @@ class KvtLM(LM):
         recompute_last, recompute_first = (model_arg(k, v, int, 0) for k, v in
                                            (("recompute_last", recompute_last), ("recompute_first", recompute_first)))
         recompute_frac = model_arg("recompute_frac", recompute_frac, float, 0, 1)
+        recompute_rank = model_arg("recompute_rank", recompute_rank, int, 1)
         if recompute_by not in RECOMPUTE_BY:
             raise KvtError(f"model_args recompute_by={recompute_by}: use one of {', '.join(RECOMPUTE_BY)}")
         if condition != "transfer" and (mapper or recompute_last or recompute_first or recompute_frac):
@@ -167,12 +175,17 @@ class KvtLM(LM):
             if mapper:
                 m = load_mapper(mapper, src_model.config, tgt_model.config, self.tok.fingerprint())
                 check_pair_weights(m, src_model, tgt_model, f"mapper={mapper}")
-            else:
-                out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
+            out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
+            if not mapper:
                 m = mapper_for(source, target, src_model, tgt_model, self.tok, out, dtype, calib, calib_seqs,
                                calib_len, data_dir, plain)
             m = m.to(dtype=dtype).place(layer_devices(tgt_model))
-            budget = Recompute(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by)
+            seqs = None
+            if recompute_frac and recompute_by == "rank":             # the subspaces from the run's calibration text
+                seqs = rank_sequences(run_calibration(source, target, self.tok, out, calib, calib_seqs, calib_len,
+                                                      data_dir, plain)[1])
+            budget = recompute_budget(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by,
+                                      source=src_model, target=tgt_model, mapper=m, calib_seqs=seqs, r=recompute_rank)
             self.cond = evals.Condition(tgt_model, evals.transfer(src_model, tgt_model, m, budget, plain), plain=plain)
         self.max_length = max_length or limit
 
