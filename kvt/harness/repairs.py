@@ -4,6 +4,7 @@
 
 One calibration, then one mapper per fit (--fits):
     ridge      the paper's: layer scope, uniform token weights
+    head       head-local (head h from head h), uniform token weights
     attention  head-local, attention-weighted (CacheBridge's, attnfit.py)
     whitened   head-local, attention-weighted, keys measured in the target's query metric (whiten.py)
 and every condition on the same items (a paired comparison):
@@ -42,7 +43,8 @@ from kvt.harness.data import calibration_sequences, check_same_tokenizer
 from kvt.harness.figures import pyplot
 from kvt.harness.pipeline import write_atomic
 
-FITS = {"ridge": ("layer", "uniform"), "attention": ("head", "attention"), "whitened": ("head", "whitened")}
+FITS = {"ridge": ("layer", "uniform"), "head": ("head", "uniform"), "attention": ("head", "attention"),
+        "whitened": ("head", "whitened")}
 BUDGETS = (0.0, 0.1, 0.2, 0.3, 0.5)
 AGREE_N = 32            # new tokens compared with the target's own
 CONTROLS = ("target", "source", "floor", "random map", "raw source")
@@ -88,11 +90,12 @@ def conditions(source, target, mappers, budgets, rules, calib, r, seed=0):
         out["raw source"] = evals.Condition(target, raw_source(source, target))
     for fit, m in mappers.items():
         out[f"{fit} rho=0"] = evals.Condition(target, evals.transfer(source, target, m))
+        basis = recompute.rank_basis(source, m, recompute.rank_sequences(calib), r) if "rank" in rules else None
         for rule in rules:
             for rho in budgets:
                 if rho:
-                    b = recompute.budget(frac=rho, by=rule, source=source, target=target, mapper=m,
-                                         calib_seqs=recompute.rank_sequences(calib), r=r, seed=seed)
+                    b = recompute.Recompute(frac=rho, by=rule, seed=seed, basis=basis if rule == "rank" else None,
+                                            target=target if rule == "error" else None)
                     out[f"{fit} {rule} rho={rho:g}"] = evals.Condition(target, evals.transfer(source, target, m, b))
     return out
 
@@ -204,6 +207,8 @@ def main(argv=None):
     ap.add_argument("--calib-seqs", type=int, default=200)
     ap.add_argument("--calib-len", type=int, default=256)
     ap.add_argument("--fits", default="ridge,attention,whitened")
+    ap.add_argument("--k", type=int, default=8, help="source layers per target layer (paper: 8)")
+    ap.add_argument("--candidates", type=int, default=None, help="source layers to select from (default all)")
     ap.add_argument("--rules", default=",".join(recompute.RULES))
     ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS))
     ap.add_argument("--rank", type=int, default=recompute.RANK, help="rank's r (RaReCache: 128)")
@@ -230,7 +235,8 @@ def main(argv=None):
     mappers = {}
     for fit in tqdm(fits, desc="fits"):
         scope, weights = FITS[fit]
-        mappers[fit], _ = calibrate(source, target, calib, scope, options=CalibrationOptions(progress=False, weights=weights))
+        opts = CalibrationOptions(progress=False, weights=weights, candidates=a.candidates)
+        mappers[fit], _ = calibrate(source, target, calib, scope, a.k, options=opts)
     conds = conditions(source, target, mappers, budgets, rules, calib, a.rank, a.seed)
     scores = {}
     data_dir = a.data_dir or tasks.default_data_dir()
@@ -247,7 +253,7 @@ def main(argv=None):
     head = (f"# Repairs side by side: {a.source.name} -> {a.target.name}\n\n"
             f"Command: `python -m kvt.harness.repairs {' '.join(argv or [])}`\n\n"
             f"Calibration {a.calib_seqs} x {a.calib_len} tokens ({', '.join(map(str, a.calib or ['toy corpus, seed 99']))}); "
-            f"fits {', '.join(fits)}; rules {', '.join(rules)} (error: an oracle); budgets {', '.join(map(str, budgets))}; "
+            f"fits {', '.join(fits)} (k = {a.k}); rules {', '.join(rules)} (error: an oracle); budgets {', '.join(map(str, budgets))}; "
             f"rank r = {a.rank}; agreement on {len(prompts)} held-out prompts of {prompts.shape[1]} tokens; "
             f"{a.limit} items per task; 95% bootstrap intervals over items (1,000 resamples). Hardware: {hw}.\n")
     text = head + "\n" + "\n\n".join(table(results, col) for col in results) + "\n"
