@@ -488,7 +488,7 @@ def test_context_gain_is_no_ratio_where_the_target_gains_nothing_from_context():
     the interval of floor - target reaches 0, or the target is worse than uniform, report.md and
     results.json say so instead (gain None)."""
     import json
-    from kvt.harness.pipeline import format_context_gain, strict
+    from kvt.harness.report import format_context_gain, strict
     from kvt.harness.summary import context_gain
     g = torch.Generator().manual_seed(0)
 

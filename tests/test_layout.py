@@ -12,8 +12,9 @@ KVT = Path(kvt.__file__).parent
 LAYERS = {
     "": ["config", "rope", "tokenizer", "weights", "cache", "model", "loading", "capture", "stats", "ridge", "mlp",
          "mapper", "fast", "calibrate", "handoff"],
-    "harness": ["data", "dist", "files", "plan", "whiten", "attnfit", "calibration", "scoring", "toy", "diagnose", "answers",
-                "tasks", "summary", "recompute", "evals", "figures", "bench", "pipeline"],
+    "harness": ["data", "dist", "files", "plan", "whiten", "attnfit", "calibration", "scoring", "toy", "diagnose",
+                "answers", "tasks", "summary", "recompute", "evals", "figures", "bench", "settings", "records", "report",
+                "pipeline", "repairs"],
     "integrations": ["hf", "lm_eval", "serving", "router"],
     "teach": ["family", "cascade", "course"],
     "cli": ["cli"],                          # kvt/cli.py, the installed `kvt` command: it reaches every layer

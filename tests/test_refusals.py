@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import kvt
 from kvt.harness import pipeline as run
+from kvt.harness.records import open_records
 from kvt.config import KvtError
 from tests.conftest import ROOT, SHARED, tiny_config
 
@@ -599,7 +600,7 @@ def test_a_records_file_kvt_cannot_open_is_one_line(tmp_path):
     open for append (a folder in its place fails the same way, root included). The folder itself is
     checked up front: tests/test_robustness.py."""
     with pytest.raises(KvtError, match="cannot write to .*make it writable, or choose another --out"):
-        run.open_records(tmp_path, {})
+        open_records(tmp_path, {})
 
 
 # ---- plan, bench, cascade: their arguments and files ---------------------------------------------------------

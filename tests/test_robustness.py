@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 import kvt
 from kvt.harness import bench as B
 from kvt.harness import pipeline as run
+from kvt.harness.report import write_atomic
 from kvt.config import KvtError
 from kvt.harness.bench import random_mapper
 from tests.conftest import ROOT
@@ -109,4 +110,4 @@ def test_a_report_that_cannot_be_written_is_one_line(tmp_path):
     traceback. One line now, saying what to move; the rerun then only writes the report."""
     (tmp_path / "report.md").mkdir()
     with pytest.raises(KvtError, match="cannot write .*report.md .*move it away and run again"):
-        run.write_atomic(tmp_path / "report.md", "x")
+        write_atomic(tmp_path / "report.md", "x")

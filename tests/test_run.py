@@ -12,6 +12,7 @@ import torch
 import kvt
 from kvt.config import KvtError
 from kvt.harness import pipeline as run
+from kvt.harness.records import record_files
 from kvt.harness.plan import USABLE
 from tests.conftest import ROOT, SHARED
 
@@ -136,7 +137,7 @@ def test_records_of_another_run_are_not_read_as_this_ones(tmp_path):
     for name in ("records-a-1.jsonl", "records-a-1.rank0.jsonl", "records-a-1.rank1.jsonl", "records-a-1-reverse.jsonl",
                  "records-a-12.jsonl", "records-b-1.jsonl"):
         (tmp_path / name).write_text("{}\n")
-    got = [f.name for f in run.record_files(tmp_path / "records-a-1.jsonl")]
+    got = [f.name for f in record_files(tmp_path / "records-a-1.jsonl")]
     assert got == ["records-a-1.jsonl", "records-a-1.rank0.jsonl", "records-a-1.rank1.jsonl"]
 
 

@@ -215,10 +215,10 @@ def test_pipeline_checks_a_reused_mapper_against_the_models(fitted, tmp_path):
     inner["key"] = pipeline.short_id(pipeline.mapper_key(args, skey))
     write_safetensors(t_, tmp_path / f"mapper-{name}.safetensors", {**meta, "meta": json.dumps(inner)})
     tok = type("Tok", (), {"fingerprint": lambda self: meta["tokenizer"]})()
-    got, _ = pipeline.get_mapper(args, s, t, tok, None, tmp_path, skey, torch.float32)
+    got, _ = pipeline.get_mapper(args, pipeline.Pair(s, t, tok, torch.float32), None, tmp_path, skey)
     assert got.meta["src_weights"] == model_fingerprint(s)
     with pytest.raises(KvtError, match=r"^mapper .* was fitted on other source weights"):
-        pipeline.get_mapper(args, t, s, tok, None, tmp_path, skey, torch.float32)
+        pipeline.get_mapper(args, pipeline.Pair(t, s, tok, torch.float32), None, tmp_path, skey)
 
 
 @pytest.mark.parametrize("older", ["no fingerprints", "4-row fingerprints"])

@@ -38,6 +38,8 @@ from kvt.stats import KINDS
 
 RULES = ("attention", "suffix", "rank", "random", "error")
 ORACLES = ("error",)      # rules that read the target's true KV: a reference, not a repair
+RULE_WORDS = {"attention": "most attended", "suffix": "last", "rank": "most rank-disagreeing", "random": "random",
+              "error": "largest-error (oracle)"}   # how a report names the slots each rule takes
 RANK = 128                # RaReCache's r
 RANK_SEQS = 64            # calibration sequences rank_basis reads at most (the first ones of the fit region)
 

@@ -110,7 +110,7 @@ def default_data_dir():
 class Item:
     """One prompt, read by its kind (see the module docstring for which fields each kind uses)."""
     id: str                # unique within its task: records are keyed by (task, condition, id) and what
-                           # was scored (pipeline.item_key), so a changed item is scored again
+                           # was scored (records.item_key), so a changed item is scored again
     context: str           # everything before the answer, few-shot examples included (rolling: the prefix)
     gold: object = None    # choices: the right index; generation: the answer text
     choices: list = None   # multiple_choice: continuations without the leading space (the harness's

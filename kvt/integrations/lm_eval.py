@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 import kvt
-from kvt.harness import dist, evals, pipeline, scoring, tasks
+from kvt.harness import dist, evals, pipeline, report, scoring, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair, plain_requested
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
 from kvt.harness.recompute import RANK, RULES, budget as recompute_budget, rank_sequences
@@ -103,7 +103,7 @@ def mapper_for(src_dir, tgt_dir, source, target, tok, out, dtype, calib=None, ca
     s, seqs = run_calibration(src_dir, tgt_dir, tok, out, calib, calib_seqs, calib_len, data_dir, plain)
     skey = pipeline.stats_key(s, Path(src_dir), Path(tgt_dir), seqs)
     Path(out).mkdir(parents=True, exist_ok=True)
-    mapper, _ = pipeline.get_mapper(s, source, target, tok, seqs, Path(out), skey, dtype)
+    mapper, _ = pipeline.get_mapper(s, pipeline.Pair(source, target, tok, dtype), seqs, Path(out), skey)
     return mapper
 
 
@@ -360,7 +360,7 @@ def main(argv=None):
             raise KvtError("usage: python -m kvt.integrations.lm_eval retention TARGET_DIR TRANSFER_DIR [SOURCE_DIR] "
                            "(or NAME=DIR each)")
         summary, average, (src, tgt) = retention(argv[1:])
-        print(pipeline.format_summary(summary, average, src, tgt))
+        print(report.format_summary(summary, average, src, tgt))
         return summary
     from lm_eval.__main__ import cli_evaluate                          # the harness's own command line
     if not any(a == "--model" or a.startswith("--model=") for a in argv):
