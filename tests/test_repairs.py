@@ -76,3 +76,4 @@ def test_the_side_by_side_command_at_a_small_size(tmp_path):
                 assert rows[f"{fit} {rule} rho=1"]["mean"] == rows["target"]["mean"], (col, fit, rule)
     text = (out / "report.md").read_text()
     assert "gap recovered" in text and "(oracle)" in text and "Hardware:" in text
+    assert "| toy_recall_gen em | whitened | rank | " in text and "| agreement@32 | raw source | |" in text

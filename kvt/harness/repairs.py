@@ -18,7 +18,7 @@ and every condition on the same items (a paired comparison):
                             error is an oracle (it reads the target's true KV), for reference only.
 Metrics, generation first: each generate_until task's primary metric (exact match); CoQA's F1 at the turns of
 --coqa-turns, handed over at the story (start 1: the target then answers turns 1..10 from its own cache);
-agreement: on --agree-prompts held-out prompts (calibration's diagnostics region, --agree-context tokens), the
+agreement: on --agree-prompts held-out prompts of --agree-context tokens (--agree-text, never calibration's), the
 share of the first N = 32 greedy tokens the condition generates identically to the target's own prefill
 before the first difference (the floor: the target from the prompt's last token alone); then the
 multiple-choice tasks. Each cell: the mean with a 95% bootstrap interval over items, and beside it retention
@@ -41,7 +41,7 @@ from kvt.harness.bench import hardware
 from kvt.harness.calibration import CalibrationOptions, calibrate
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
 from kvt.harness.figures import pyplot
-from kvt.harness.pipeline import write_atomic
+from kvt.harness.report import write_atomic
 
 FITS = {"ridge": ("layer", "uniform"), "head": ("head", "uniform"), "attention": ("head", "attention"),
         "whitened": ("head", "whitened")}
@@ -121,7 +121,8 @@ def agreement(conds, prompts, n=AGREE_N):
 def task_scores(name, items, tok, conds, coqa_turns):
     """{column: {condition: [per item score]}} of one task: its primary metric, or CoQA's F1 per turn."""
     task = tasks.get(name)
-    recs = list(evals.evaluate(name, items, tok, conds, progress=False, **({"start": 1} if task.kind == "coqa" else {})))
+    recs = list(evals.evaluate(name, items, tok, conds, progress=False, batch_size=8,
+                               **({"start": 1} if task.kind == "coqa" else {})))
     cols = {}
     for rec in recs:
         if task.kind == "coqa":
@@ -173,6 +174,25 @@ def table(results, column):
     return "\n".join(lines)
 
 
+def side_by_side(results, fits, rules, budgets):
+    """The side-by-side table, generation first: a row per metric x fit x rule, a column per budget rho, each
+    cell the score (%) with its 95% interval; the controls in the rows after each metric's (at rho = 0)."""
+    nonzero = [b for b in budgets if b]
+    lines = ["| metric | fit | rule | " + " | ".join(f"rho={b:g}" for b in [0.0] + nonzero) + " |",
+             "|" + "---|" * (4 + len(nonzero))]
+    for col, res in results.items():
+        show = lambda n: pct(res[n]["mean"], res[n]["mean_ci"]) if n in res else "-"  # noqa: E731
+        for fit in fits:
+            for rule in rules or [None]:
+                cells = [show(f"{fit} rho=0")] + [show(f"{fit} {rule} rho={b:g}") if rule else "" for b in nonzero]
+                label = (rule or "-") + (" (oracle)" if rule == "error" else "")
+                lines.append(f"| {col} | {fit} | {label} | " + " | ".join(cells) + " |")
+        for ctl in CONTROLS:
+            if ctl in res:
+                lines.append(f"| {col} | {ctl} | | {show(ctl)} |" + " |" * len(nonzero))
+    return "\n".join(lines)
+
+
 def figure(results, fits, rules, budgets, path):
     """Budget curves: per fit, each rule's score against rho on every column (one panel per column)."""
     plt = pyplot()
@@ -218,12 +238,21 @@ def main(argv=None):
     ap.add_argument("--coqa-turns", default="1,3,6,10")
     ap.add_argument("--agree-prompts", type=int, default=24)
     ap.add_argument("--agree-context", type=int, default=128)
+    ap.add_argument("--agree-text", nargs="*", help="held-out text for the agreement prompts (default: the toy "
+                    "corpus, seed 7, unseen by calibration's seed 99 and training's 0)")
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tables", type=Path, help="print the tables of a finished run's results.json and stop")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--tables" in argv:                                                 # no model needed
+        done = json.loads(Path(argv[argv.index("--tables") + 1]).read_text())
+        res = done["results"]
+        print(side_by_side(res, done["fits"], done["rules"], done["budgets"]) + "\n\n"
+              + "\n\n".join(table(res, col) for col in res))
+        return res
     a = ap.parse_args(argv)
-    fits, rules = a.fits.split(","), [r for r in a.rules.split(",") if r]
+    fits, rules = a.fits.split(","), [r for r in a.rules.split(",") if r and r != "none"]
     budgets = [float(b) for b in a.budgets.split(",")]
     if set(fits) - set(FITS) or set(rules) - set(recompute.RULES) or not all(0 <= b <= 1 for b in budgets):
         raise KvtError(f"--fits of {', '.join(FITS)}; --rules of {', '.join(recompute.RULES)}; --budgets within [0, 1]")
@@ -241,11 +270,13 @@ def main(argv=None):
     scores = {}
     data_dir = a.data_dir or tasks.default_data_dir()
     turns = {int(t) for t in a.coqa_turns.split(",")}
-    for name in [t for t in a.gen_tasks.split(",") if t]:
+    for name in [t for t in a.gen_tasks.split(",") if t and t != "none"]:
         scores.update(task_scores(name, tasks.load_task(name, data_dir, a.limit, seed=a.seed), tok, conds, turns))
-    prompts = calib.diag[:a.agree_prompts, :a.agree_context]                 # held out: no fit or choice saw them
+    held = calibration_sequences(a.agree_text, tok, a.agree_prompts, a.agree_context, seed=a.seed + 1,
+                                 documents=None if a.agree_text else toy.corpus(500, seed=7))
+    prompts = held.fit                                                     # text no fit saw (other file or seed)
     scores[f"agreement@{AGREE_N}"] = agreement(conds, prompts)
-    for name in [t for t in a.ll_tasks.split(",") if t]:
+    for name in [t for t in a.ll_tasks.split(",") if t and t != "none"]:
         scores.update(task_scores(name, tasks.load_task(name, data_dir, a.limit, seed=a.seed), tok, conds, turns))
     results = {col: {name: cell(per, name) for name in conds if name in per} for col, per in scores.items()}
     a.out.mkdir(parents=True, exist_ok=True)
@@ -256,7 +287,8 @@ def main(argv=None):
             f"fits {', '.join(fits)} (k = {a.k}); rules {', '.join(rules)} (error: an oracle); budgets {', '.join(map(str, budgets))}; "
             f"rank r = {a.rank}; agreement on {len(prompts)} held-out prompts of {prompts.shape[1]} tokens; "
             f"{a.limit} items per task; 95% bootstrap intervals over items (1,000 resamples). Hardware: {hw}.\n")
-    text = head + "\n" + "\n\n".join(table(results, col) for col in results) + "\n"
+    text = (head + "\n" + side_by_side(results, fits, rules, budgets) + "\n\n"
+            + "\n\n".join(table(results, col) for col in results) + "\n")
     write_atomic(a.out / "report.md", text)
     write_atomic(a.out / "results.json", json.dumps({"argv": argv, "hardware": hw, "fits": fits, "rules": rules,
                                                      "budgets": budgets, "results": results}, indent=1))
