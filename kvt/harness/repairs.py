@@ -284,7 +284,7 @@ def main(argv=None):
     head = (f"# Repairs side by side: {a.source.name} -> {a.target.name}\n\n"
             f"Command: `python -m kvt.harness.repairs {' '.join(argv or [])}`\n\n"
             f"Calibration {a.calib_seqs} x {a.calib_len} tokens ({', '.join(map(str, a.calib or ['toy corpus, seed 99']))}); "
-            f"fits {', '.join(fits)} (k = {a.k}); rules {', '.join(rules)} (error: an oracle); budgets {', '.join(map(str, budgets))}; "
+            f"fits {', '.join(fits)} (k = {a.k}); rules {', '.join(rules) or 'none'} (error: an oracle); budgets {', '.join(map(str, budgets))}; "
             f"rank r = {a.rank}; agreement on {len(prompts)} held-out prompts of {prompts.shape[1]} tokens; "
             f"{a.limit} items per task; 95% bootstrap intervals over items (1,000 resamples). Hardware: {hw}.\n")
     text = (head + "\n" + side_by_side(results, fits, rules, budgets) + "\n\n"
