@@ -10,6 +10,7 @@ the two sides are timed in one process, in turn within each round, so a shared h
 while slows both alike. Timing needs no trained weights: the models and the mapper may be random.
 kvt/harness/bench.py builds the full table on these (the map alone, copy rates, the roofline, recompute).
 """
+import math
 import statistics
 import time
 
@@ -72,9 +73,8 @@ def transfer_step(target, mapper, cache, ids, n, frac=0.0, plain=False):
     """The timed part of a handoff of ids[:, :n]: handoff.take_over on the source's cache of the first
     n - 1 tokens (a crop of `cache`), the target recomputing the last `frac` of those slots (if any) and
     running token n itself (plain: take_over's). Returns its logits and cache."""
-    slots = Recompute(frac=frac, by="suffix").slots(n - 1) if frac else None
-    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], slots=slots,
-                     slot_ids=None if slots is None else ids[:, slots], plain=plain)
+    budget = Recompute(last=math.ceil(frac * (n - 1)))               # the last slots: recompute's cost, timed
+    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], budget, ids[:, :n - 1], plain)
 
 
 def time_side_by_side(target, mapper, cache, ids, n, repeats=3, also=(), plain=False):

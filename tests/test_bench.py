@@ -8,7 +8,8 @@ from kvt import bench as K
 from kvt.harness import bench as B
 from kvt.bench import token_ids, transfer_step
 from kvt.harness.bench import bench, bench_lean, random_mapper
-from kvt.handoff import Recompute, handoff
+from kvt.handoff import handoff
+from kvt.harness.recompute import Recompute
 from kvt.harness.plan import forward_flops
 from tests.conftest import tiny_config
 

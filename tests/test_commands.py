@@ -124,6 +124,13 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
      Run(r"^wrote \S+\.png$", ("docs/figures/recompute-toy-s-l-head.png",), needs=RECOMPUTE)),
     (r"python -m kvt\.harness\.figures gate .*", Run(r"^gate fitted on all runs", ("docs/figures/gate-evidence.png",),
                                             needs=("python run.py", *RECOMPUTE, SMOL_RUN))),
+    (r"python -m kvt\.harness\.repairs --source weights/toy-s --target weights/toy-m .*",
+     Run(r"^wrote runs/repairs-\S+/report\.md", ("runs/repairs-*/report.md", "runs/repairs-*/results.json"),
+         {"--calib-seqs": "8", "--limit": "2", "--agree-prompts": "2", "--budgets": "0,0.5"})),
+    (r"python -m kvt\.harness\.repairs --source weights/smollm2-135m\S* .*",
+     NotRun("needs the -32k SmolLM2 siblings (docs/real-weights.md: minutes each to build) and about half an hour "
+            "on 2 cores; tests/test_repairs.py::test_the_side_by_side_command_at_a_small_size runs the same code "
+            "on the toy pair")),
     (r"python -m kvt\.harness\.figures r2 --pair toy-m:l --k 1", Run(r"^toy-m -> toy-l: validation R\^2 of each target layer")),
     (r"python -m kvt\.teach\.cascade .*",
      Run(r"^cascade over \d+ items", sizes={"--tokens": BENCH["--lengths"]}, needs=RECOMPUTE + (ANY_BENCH,),

@@ -132,7 +132,7 @@ def test_recomputing_a_suffix_is_the_target_running_it_from_the_mapped_prefix():
 
 
 def test_recompute_budgets_pick_the_slots_they_name():
-    from kvt.handoff import Recompute, attention_mass
+    from kvt.harness.recompute import Recompute, attention_mass
     scores = torch.tensor([0.1, 5.0, 0.2, 3.0, 0.3, 0.0, 0.4, 0.5, 0.6, 0.7])
     assert Recompute(last=2).slots(10).tolist() == [8, 9]
     assert Recompute(first=1, last=1).slots(10).tolist() == [0, 9]

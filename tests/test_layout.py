@@ -12,9 +12,9 @@ KVT = Path(kvt.__file__).parent
 LAYERS = {
     "": ["config", "rope", "tokenizer", "weights", "cache", "model", "loading", "capture", "stats", "ridge", "mlp",
          "mapper", "fast", "calibrate", "handoff", "evals", "bench"],
-    "harness": ["data", "dist", "files", "plan", "attnfit", "calibration", "toy", "diagnose", "answers",
-                "tasks", "summary", "evals", "figures", "bench", "costs", "settings", "records", "report",
-                "pipeline"],
+    "harness": ["data", "dist", "files", "plan", "whiten", "attnfit", "calibration", "toy", "diagnose", "answers",
+                "tasks", "summary", "recompute", "evals", "figures", "bench", "costs", "settings", "records", "report",
+                "pipeline", "repairs"],
     "integrations": ["hf", "lm_eval", "serving", "router"],
     "teach": ["family", "cascade", "grading", "course"],
     "cli": ["cli"],                          # kvt/cli.py, the installed `kvt` command: it reaches every layer

@@ -137,8 +137,9 @@ def test_transfer_equals_kvt_records_and_batch_sizes_agree(harness_tasks, toy_pa
     """Under `transfer` (toy-s -> toy-m, a saved mapper), every choice's loglikelihood equals kvt's own
     evaluation record of the same item (kvt.harness.evals.evaluate, its transfer condition) and every generation
     its output; batch sizes 1 and 3 give the same numbers; transfer is not the target's own prefill, and
-    is again once every slot is recomputed (recompute_frac=1). Guards a model that ignores the mapper, the
-    source or the recompute budget, and scores that depend on the batch."""
+    is again once every slot is recomputed (recompute_frac=1, by rank: its subspaces from the run's
+    calibration text). Guards a model that ignores the mapper, the source or the recompute budget (or the
+    rank rule's), and scores that depend on the batch."""
     source, target, tok, mapper, path = toy_pair
     make = lambda bs: KvtLM(source=str(TOY / "toy-s"), target=str(TOY / "toy-m"), condition="transfer",  # noqa: E731
                             mapper=str(path), batch_size=bs, device="cpu")
@@ -159,7 +160,8 @@ def test_transfer_equals_kvt_records_and_batch_sizes_agree(harness_tasks, toy_pa
                                                  for d in docs["toy_gen"]]
     # a recompute budget of every slot is the target's own prefill again
     full, _ = run(KvtLM(source=str(TOY / "toy-s"), target=str(TOY / "toy-m"), condition="transfer", mapper=str(path),
-                        recompute_frac=1.0, recompute_by="suffix", device="cpu"), harness_tasks, ("toy_mc",))
+                        recompute_frac=1.0, recompute_by="rank", recompute_rank=8, device="cpu"), harness_tasks,
+                  ("toy_mc",))
     err = max_err(lls(full["toy_mc"]), own)
     assert err < 1e-4, f"transfer recomputing every slot vs the target's own prefill: {err:.2e}"
 

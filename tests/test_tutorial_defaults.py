@@ -11,7 +11,8 @@ import kvt
 from kvt import fast, rope
 from kvt.calibrate import Run, calibrate
 from kvt.config import Config
-from kvt.handoff import Recompute, handoff, take_over
+from kvt.handoff import handoff, take_over
+from kvt.harness.recompute import RANK, Recompute, rank_basis
 from kvt.harness import evals
 from kvt.harness.diagnose import MAX_KL, MIN_ATTN_COS, diagnose, gate
 from kvt.harness.pipeline import Settings
@@ -61,7 +62,8 @@ CLAIMS = {
     "a default floor of\n0.886": lambda: MIN_ATTN_COS == 0.886 and default(gate, "min_attn_cos") == MIN_ATTN_COS,
     "the default limit of 0.15 (both defaults are": lambda: MAX_KL == 0.15 and default(gate, "max_kl") == MAX_KL,
     "Layer scope, the default, can map": lambda: default(calibrate, "scope") == "layer",
-    "by default those the source attended to most": lambda: Recompute().by == "attention",
+    '`by="attention"` (the default), those the source attended to most': lambda: Recompute().by == "attention",
+    "(`recompute.rank_basis`, r = 128 by default)": lambda: RANK == 128 and default(rank_basis, "r") == RANK,
     "takes the same keyword, `plain=False`": lambda: all(
         default(f, "plain") is False for f in (handoff, take_over, diagnose, kvt.generate)) and not Run().plain
     and evals.Condition.__dataclass_fields__["plain"].default is False,

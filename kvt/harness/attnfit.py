@@ -46,6 +46,7 @@ from kvt import rope
 from kvt.capture import features, layer_features
 from kvt.config import KvtError, check_matched_kv
 from kvt.ridge import LAMBDAS, _check_val, best_lambda, eigen, sse, sst
+from kvt.harness import whiten
 from kvt.harness.files import Resumable
 from kvt.stats import KINDS, SPLITS, Sums, blocks, groups
 
@@ -162,11 +163,12 @@ def group_rows(s, rows):
     return Sums(*(t[rows] for t in s.tensors()))
 
 
-def fit_layers(stats, wstats, kind, selected, lams=LAMBDAS, skipped=None, host=False, alphas=None):
+def fit_layers(stats, wstats, kind, selected, lams=LAMBDAS, skipped=None, host=False, alphas=None, metric=None):
     """ridge.fit_layers, attention-weighted: each target layer of stats (head scope, its plain sums)
     from its selected source layers (selected (Lt, k), those of wstats), its sums blended with wstats'
     r-weighted ones at each head's ESS alpha, lambda picked on the weighted validation error. The same
-    return value; alphas, when given (a dict), gets target layer -> [alpha per head]."""
+    return value; alphas, when given (a dict), gets target layer -> [alpha per head]. metric (Lt, Hkv,
+    D, D), when given: each head's error measured in it (whiten.py, the whitened key fit)."""
     _check_val(stats)
     fit, val = stats.part(kind, "fit"), stats.part(kind, "val")
     wfit, wval = wstats.part(kind, "fit"), wstats.part(kind, "val")
@@ -183,7 +185,10 @@ def fit_layers(stats, wstats, kind, selected, lams=LAMBDAS, skipped=None, host=F
         p, pv = fit.select(fi, oi), val.select(fi, oi)
         a = ess_alpha(p.n.item(), group_rows(wfit, rows).n, len(fi))
         s, v = blend(p, group_rows(wfit, rows), a), blend(pv, group_rows(wval, rows), a)
-        _, lam, W, b = best_lambda(eigen(s), v, lams, t, skipped)         # on the weighted validation error
+        if metric is None:
+            _, lam, W, b = best_lambda(eigen(s), v, lams, t, skipped)     # on the weighted validation error
+        else:
+            _, lam, W, b = whiten.best_lambda(eigen(s), v, lams, t, metric[t], skipped)
         r2 = 1 - sse(pv, W, b).sum().item() / sst(pv).sum().item()         # plain validation R^2
         W, b = (W.float().cpu(), b.float().cpu()) if host else (W, b)
         out[t] = (W, b, r2, lam)

@@ -22,7 +22,7 @@ For each context length n and each direction (source -> target):
   plain transfer s (with --both) the transfer on the plain path (Mapper.apply, Cache.update's torch.cat),
                    timed in the same rounds; --plain times everything on the plain path
   + recompute f    (with --recompute) the transfer, then the target recomputing a fraction f of the
-                   mapped slots itself (handoff.Recompute; timed on the last f of the slots, since
+                   mapped slots itself (recompute.Recompute; timed on the last f of the slots, since
                    the cost depends on their number, not on which ones attention would choose)
 Each is warmed up, synchronized before every clock read, and the median of `repeats` runs; at each
 length a direction's target prefill and transfer are timed in turn, so host drift moves both alike. Timing

@@ -30,7 +30,7 @@ import kvt.calibrate
 from kvt import fast
 from kvt.capture import capture
 from kvt.config import KvtError, check_matched_kv
-from kvt.harness import attnfit, dist
+from kvt.harness import attnfit, dist, whiten
 from kvt.harness.files import resumable, load_fits, load_mlp_checkpoint, load_stats, save_fits, save_mlp_checkpoint, save_stats, short_id
 from kvt.harness.plan import candidate_layers, describe_plan, layer_group_bound, memory_plan, sums_bytes
 from kvt.stats import KINDS, SPLITS, groups, layers_used, new_stats
@@ -53,7 +53,8 @@ class CalibrationOptions:
     keep_stats: bool = True       # False: a layer-level pass keeps its fits on disk, not its statistics
     save_s: float = SAVE_S        # seconds between statistics checkpoints
     select: Callable = None       # a layer-selection rule (stats, kind, k, lams) -> (Lt, k); default the paper's
-    weights: str = "uniform"      # "uniform" (the paper's) or "attention" (attnfit.py, head scope only)
+    weights: str = "uniform"      # "uniform" (the paper's), "attention" (attnfit.py, head scope only) or
+                                  # "whitened" (attention and the keys' query metric, whiten.py)
     plain: bool = False           # float64 products (stats.add_batches) instead of the fast adder
     mlp_checkpoint: str = None    # path prefix: each MLP saved as it finishes (saved_mlps)
     mlp_key: str = ""             # what the MLP checkpoints depend on
@@ -186,10 +187,10 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
     tokenizer and the source KV's range (source_range)."""
     o, src_cfg, tgt_cfg = options, source.config, target.config
     check_matched_kv(src_cfg, tgt_cfg, scope)
-    if o.weights not in ("uniform", "attention"):
-        raise KvtError(f"token weights {o.weights!r} are not known; use 'uniform' or 'attention'")
-    if o.weights == "attention" and scope != "head":
-        raise KvtError("the attention-weighted fit (--token-weights attention) is head-local; use it with --scope head")
+    if o.weights not in ("uniform", "attention", "whitened"):
+        raise KvtError(f"token weights {o.weights!r} are not known; use 'uniform', 'attention' or 'whitened'")
+    if o.weights != "uniform" and scope != "head":
+        raise KvtError(f"the attention-weighted fit (--token-weights {o.weights}) is head-local; use it with --scope head")
     if o.progress and dist.rank() == 0:
         k_used = min(k, len(candidate_layers(src_cfg.n_layers, o.candidates)))
         rows = memory_plan(src_cfg, tgt_cfg, scope, k_used, calib.fit.shape[1] * batch_size, o.candidates,
@@ -200,7 +201,7 @@ def calibrate(source, target, calib, scope="layer", k=8, lam=None, batch_size=1,
                                           long_run(source, target, calib, k, batch_size, o, seen))
     out.meta.update(tokenizer=o.tokenizer, src_range=seen["src_range"])
     if "alpha" in seen:
-        out.meta.update(weights="attention", alpha=seen["alpha"])     # per target layer, per head
+        out.meta.update(weights=o.weights, alpha=seen["alpha"])     # per target layer, per head
     if "lambda_skipped" in out.meta and dist.rank() == 0:
         print(f"warning: ridge skipped lambdas whose system is singular: {skipped_text(out.meta['lambda_skipped'])}")
     return out, report
@@ -234,7 +235,7 @@ def long_run(source, target, calib, k, batch_size, options, seen):
     bound = layer_group_bound(src_cfg, tgt_cfg, k, o.group, o.candidates)
     return kvt.calibrate.Run(
         sums=sums, candidates=candidate_layers(src_cfg.n_layers, o.candidates), select=o.select, groups=lambda selected: target_groups(selected, bx, by, bound),
-        fitted=saved_fits(o.checkpoint, o.key, o.keep_stats), fit=weighted if o.weights == "attention" else None,
+        fitted=saved_fits(o.checkpoint, o.key, o.keep_stats), fit=weighted if o.weights != "uniform" else None,
         train_mlp=saved_mlps(o.mlp_checkpoint, o.mlp_key, o.progress and dist.rank() == 0), batch_size=batch_size,
         plain=o.plain, progress=o.progress)
 
@@ -286,8 +287,10 @@ def weighted_fits(source, target, calib, stats, selected, lams, skipped, batch_s
     attnfit.capture_weighted and attnfit.add_weighted) streams the r-weighted sums of every target
     layer's selected source layers (selected: kind -> (Lt, k)), checkpointed as
     CHECKPOINT.attn-<id of the selection>; then attnfit.fit_layers blends them into the first pass's
-    plain sums `stats` per kind. Returns (fits {kind: {target layer: (W, b, R^2, lambda)}}, alphas
-    {kind: {target layer: [alpha per head]}}); skipped {kind: {}} gets the singular lambdas."""
+    plain sums `stats` per kind (options.weights "whitened": the keys' error measured in the target's
+    query metrics, whiten.query_metrics over calib.fit). Returns (fits {kind: {target layer: (W, b,
+    R^2, lambda)}}, alphas {kind: {target layer: [alpha per head]}}); skipped {kind: {}} gets the
+    singular lambdas."""
     sel_id = short_id({kind: selected[kind].tolist() for kind in KINDS})
     device = stats.part("k", "fit").xx.device
     wstats = attnfit.new_weighted_stats(source.config, target.config, selected, device, f"{options.key}-attn-{sel_id}")
@@ -295,8 +298,10 @@ def weighted_fits(source, target, calib, stats, selected, lams, skipped, batch_s
                          options.checkpoint and f"{options.checkpoint}.attn-{sel_id}", save_s=options.save_s,
                          progress=options.progress, add=attnfit.add_weighted, capture_target=attnfit.capture_weighted)
     alphas = {kind: {} for kind in KINDS}
+    metric = {"k": whiten.query_metrics(target, calib.fit, batch_size) if options.weights == "whitened" else None,
+              "v": None}                               # whitened: the keys' error in the queries' metric
     fits = {kind: attnfit.fit_layers(stats, wstats, kind, selected[kind], lams, skipped[kind], host=True,
-                                     alphas=alphas[kind]) for kind in KINDS}
+                                     alphas=alphas[kind], metric=metric[kind]) for kind in KINDS}
     return fits, alphas
 
 

@@ -43,7 +43,8 @@ import kvt.evals
 from kvt.harness import tasks
 from kvt.harness.answers import coqa_em, coqa_f1
 from kvt.config import KvtError
-from kvt.handoff import Recompute, handoff
+from kvt.handoff import handoff
+from kvt.harness.recompute import Recompute
 
 
 # ---------------------------------------------------------------------------------- conditions

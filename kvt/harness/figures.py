@@ -200,7 +200,7 @@ def one_per_map(results):
     """The runs a gate is judged on: none with a recompute budget (the gate judges the map, not its
     repair), and one per mapper (results' "mapper", which names its weights and calibration), the one
     that scored the most items, so a map evaluated twice is not counted twice."""
-    from kvt.handoff import Recompute
+    from kvt.harness.recompute import Recompute
     best = {}
     for r in results:
         s = r["settings"]

@@ -53,6 +53,7 @@ from kvt.harness.diagnose import diagnose, format_diagnostics, gate, next_nll
 from kvt.harness.files import MAPPER_FORMAT, STATS_FORMAT, load_mapper, save_mapper, short_id
 from kvt.harness.plan import (Options, capacity, check_plan, disk_plan, eval_batch, format_plan, k_used, nearly_full,
                               plan, plan_line, split_to_fit)
+from kvt.harness.recompute import budget as recompute_budget, rank_sequences
 from kvt.harness.records import RECORDS_FORMAT, run_tasks
 from kvt.harness.report import Outcome, report
 from kvt.harness.settings import REAL_CALIB, REAL_TASKS, TOY_TASKS, Settings, parse_args
@@ -130,7 +131,7 @@ def run(s, src_dir, tgt_dir, src_name, tgt_name, out):
 
     # 4. evaluation, all conditions on the same items
     batch = batch_size(s, items, tok, src_cfg, tgt_cfg, cap, dtype, devices)
-    records, header = evaluate(s, items, pair, mapper, name, out, batch)
+    records, header = evaluate(s, items, pair, mapper, name, out, batch, calib)
     coqa = {}
     if "coqa" in items:  # the other direction: the large model hands the conversation to the small one
         back, back_name = get_mapper(s, pair.back(), calib, out, skeys["back"], plans["back"].options.group)
@@ -411,13 +412,17 @@ def eval_shape(items, tok):
     return longest, choices, new
 
 
-def evaluate(s, items, pair, mapper, name, out, batch):
+def evaluate(s, items, pair, mapper, name, out, batch, calib):
     """Every task under target / transfer / source / floor (evals.conditions) on the same items, recorded in
-    OUT/records-<mapper>-<header hash>.jsonl as they land. Returns (records, the records' header)."""
-    recompute = s.recompute
+    OUT/records-<mapper>-<header hash>.jsonl as they land; a recompute budget with what its rule reads (rank:
+    its subspaces from calib's first fit sequences; error: the target). Returns (records, the records' header)."""
+    recompute = recompute_budget(s.recompute_last, s.recompute_first, s.recompute_frac, s.recompute_by,
+                                 source=pair.source, target=pair.target, mapper=mapper,
+                                 calib_seqs=rank_sequences(calib), r=s.recompute_rank)
     header = {"format": RECORDS_FORMAT, "mapper": name, "dtype": str(pair.dtype),
               **({"recompute": [recompute.last, recompute.first, recompute.frac]} if recompute else {}),
-              **({"recompute_by": recompute.by} if recompute.frac and recompute.by != "attention" else {})}
+              **({"recompute_by": recompute.by} if recompute.frac and recompute.by != "attention" else {}),
+              **({"recompute_rank": s.recompute_rank} if recompute.frac and recompute.by == "rank" else {})}
     transfer = evals.transfer(pair.source, pair.target, mapper, recompute, s.plain)
     conds = evals.conditions(pair.target, pair.source, transfer, s.plain)
     return run_tasks(items, pair.tok, conds, out / f"records-{name}-{short_id(header)}.jsonl", header, batch), header

@@ -22,6 +22,7 @@ from kvt.harness import tasks
 from kvt.harness.bench import format_rows, hardware
 from kvt.harness.diagnose import format_diagnostics
 from kvt.harness.figures import retention_png
+from kvt.harness.recompute import RULE_WORDS
 from kvt.harness.summary import CORPUS, average_retention, lm_eval_results, summarize
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def header_lines(s, o):
             f"lambda (on standardized features): {lambda_summary(mapper.meta)}", fast.path_line(s.plain),
             *([f"recompute (kvt's option): the target recomputes the last {recompute.last}, the first "
                f"{recompute.first} and {100 * recompute.frac:g}% "
-               f"{'most attended' if recompute.by == 'attention' else 'last'} prompt tokens after mapping"]
+               f"{RULE_WORDS[recompute.by]} prompt tokens after mapping"]
               if recompute else []),
             f"items: a seeded sample (seed {s.seed}) of up to {s.limit} per task"
             + "".join(f", {t} {n}" for t, n in s.task_limits.items()) + ", the same for every condition"]
@@ -99,7 +100,8 @@ ACCURACY_SAY = ("Accuracy on the same items under four conditions: target (the t
                 "the ceiling), transfer (the source prefills, the mapper hands its cache over, the target answers), "
                 "source (the source alone) and floor (the target without the context). Retention = transfer / "
                 "target; floor-normalized retention = (transfer - floor) / (target - floor), the share of what the "
-                "context added that the transfer keeps; the average row, the paper's headline, is the mean over "
+                "context added that the transfer keeps; gap recovered = (transfer - source) / (target - source), the "
+                "share of the source-to-target gap the transfer closes; the average row, the paper's headline, is the mean over "
                 "tasks of each task's retention on its primary metric.")
 
 
@@ -195,10 +197,10 @@ def pct(x, digits=1):
 
 
 def format_summary(summary, average, src_name, tgt_name):
-    """The paper's table: accuracy per condition, retention and floor-normalized retention, and the
+    """The paper's table: accuracy per condition, retention, floor-normalized retention and gap recovered, and the
     average retention over tasks of each task's primary metric (the paper's headline column)."""
-    lines = [f"| task | metric | target ({tgt_name}) | transfer | source ({src_name}) | floor | retention | floor-norm. retention | n |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| task | metric | target ({tgt_name}) | transfer | source ({src_name}) | floor | retention | floor-norm. retention "
+             "| gap recovered | n |", "|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(row, m):
         if row is None or row.get(m) is None:
@@ -220,12 +222,13 @@ def format_summary(summary, average, src_name, tgt_name):
             r = conds.get("retention", {}).get(m, {})
             lines.append(f"| {task} | {m} | {cell(conds.get('target'), m)} | {cell(conds.get('transfer'), m)} | "
                          f"{cell(conds.get('source'), m)} | {cell(conds.get('floor'), m)} | {ret(r, 'ratio')} | "
-                         f"{ret(r, 'floor_normalized')} | {conds.get('target', {}).get('n', 0)} |")
+                         f"{ret(r, 'floor_normalized')} | {ret(r, 'gap_recovered')} | {conds.get('target', {}).get('n', 0)} |")
     if average and average.get("tasks"):
         acc = {c: {"mean": v, "mean_ci": average["accuracy_ci"][c]} for c, v in average["accuracy"].items()}
         lines.append(f"| **average** ({len(average['tasks'])} tasks) | primary | {cell(acc.get('target'), 'mean')} | "
                      f"{cell(acc.get('transfer'), 'mean')} | {cell(acc.get('source'), 'mean')} | "
-                     f"{cell(acc.get('floor'), 'mean')} | {ret(average, 'retention')} | {ret(average, 'floor_normalized')} | |")
+                     f"{cell(acc.get('floor'), 'mean')} | {ret(average, 'retention')} | {ret(average, 'floor_normalized')} | "
+                     f"{ret(average, 'gap_recovered')} | |")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kvt import ridge
 from kvt.config import KvtError, at_least, checkpoint_name, parse_pair, plain_requested
-from kvt.handoff import Recompute
+from kvt.harness.recompute import RANK, RULES, Recompute
 from kvt.harness import tasks
 from kvt.harness.diagnose import MAX_KL, MIN_ATTN_COS
 
@@ -57,6 +57,7 @@ class Settings:
     recompute_first: int = 0
     recompute_frac: float = 0.0
     recompute_by: str = "attention"
+    recompute_rank: int = RANK
     heldout: list = dataclasses.field(default_factory=list)
     nll_windows: int = 32
     nll_context: str | None = None
@@ -128,9 +129,11 @@ def parse_args(argv=None):
                     help="layer: each target head from all heads of the selected layers (the paper's, default); "
                     "head (= head-local, CacheBridge's name): head h from head h of the selected layers (kvt's "
                     "option, about 8x smaller)")
-    ap.add_argument("--token-weights", choices=["uniform", "attention"],
+    ap.add_argument("--token-weights", choices=["uniform", "attention", "whitened"],
                     help="ridge token weights: uniform (the paper's, default) or attention (CacheBridge's "
-                    "attention-weighted fit, kvt's option; --scope head only, kvt/harness/attnfit.py)")
+                    "attention-weighted fit, kvt's option; --scope head only, kvt/harness/attnfit.py); whitened: "
+                    "attention, with each key head's error measured in the target's query metric "
+                    "(kvxfer's whitened key fit, kvt/harness/whiten.py)")
     ap.add_argument("--mapper", choices=["ridge", "mlp", "ridge+mlp"],
                     help="mlp: the paper's backstop, an MLP of two hidden layers of 1,024 units instead of ridge; "
                     "ridge+mlp: kvt's option, ridge plus a residual MLP of one hidden layer")
@@ -154,8 +157,12 @@ def parse_args(argv=None):
     ap.add_argument("--recompute-first", type=int, help="kvt's option: ... of the first S tokens")
     ap.add_argument("--recompute-frac", type=float, help="kvt's option: ... of this fraction of the "
                     "tokens, those the source attended to most while finishing the prompt")
-    ap.add_argument("--recompute-by", choices=["attention", "suffix"],
-                    help="which tokens --recompute-frac takes: the most attended (default) or the last ones")
+    ap.add_argument("--recompute-by", choices=list(RULES),
+                    help="which tokens --recompute-frac takes (kvt/harness/recompute.py): the most attended "
+                    "(default), the last ones (suffix), rank (RaReCache's rank disagreement), random (seeded), or "
+                    "error (an oracle: the map's error against the target's true KV, for reference only)")
+    ap.add_argument("--recompute-rank", type=int, help=f"rank's r, the calibration subspace's dimension "
+                    f"(RaReCache: {RANK})")
     ap.add_argument("--heldout", nargs="*", help="held-out text files for the context-gain measure "
                     "(NLL of the next --nll-next tokens after --nll-context of context, target / transfer / floor); "
                     "'toy' for unseen toy-corpus documents; none by default; must not be calibration text")
@@ -201,8 +208,8 @@ def check_args(s):
     positive = at_least
     positive("nll-windows", s.nll_windows, why=" (held-out windows per text)")
     positive("nll-next", s.nll_next, why=" (tokens scored after the context)")
-    if s.token_weights == "attention" and s.scope not in ("head", "head-local"):
-        raise KvtError("--token-weights attention is the head-local attention-weighted fit; add --scope head")
+    if s.token_weights != "uniform" and s.scope not in ("head", "head-local"):
+        raise KvtError(f"--token-weights {s.token_weights} is the head-local attention-weighted fit; add --scope head")
     positive("k", s.k, why=" (source layers per target layer; the paper uses 8)")
     positive("calib-seqs", s.calib_seqs, why=" (calibration sequences; the paper uses 500)")
     positive("calib-len", s.calib_len, 2, " (tokens per calibration sequence; the paper uses 1024)")
@@ -214,6 +221,7 @@ def check_args(s):
     positive("candidates", s.candidates, 2, " (source layers to select from)")
     positive("recompute-last", s.recompute_last, 0, " (prompt tokens the target recomputes)")
     positive("recompute-first", s.recompute_first, 0, " (prompt tokens the target recomputes)")
+    positive("recompute-rank", s.recompute_rank, 1, " (rank's subspace dimension)")
     if not 0 <= s.recompute_frac <= 1:
         raise KvtError(f"--recompute-frac {s.recompute_frac}: a fraction of the prompt, within [0, 1]")
     if s.lam is not None and not (math.isfinite(s.lam) and s.lam > 0):

@@ -10,8 +10,10 @@ A record is one plain dict per (task, condition, item id) (kvt/harness/evals.py)
 items. The perplexities of loglikelihood_rolling tasks are corpus-level, as the harness aggregates them
 (weighted_perplexity, bits_per_byte): one number from the sums over all scored texts of the
 loglikelihood `ll` and the length in words or bytes, lower is better. Retention is transfer / target
-(target / transfer for a lower-is-better metric, so 100% is still "all kept"), and
-(transfer - floor) / (target - floor) either way. Undefined numbers (a ratio over 0, an interval with
+(target / transfer for a lower-is-better metric, so 100% is still "all kept"), floor-normalized
+(transfer - floor) / (target - floor) either way, and gap recovered (transfer - source) / (target -
+source): the share of the source-to-target gap the transfer closes (one replication read 86% retention
+but 20% of the gap). Undefined numbers (a ratio over 0, an interval with
 no finite resample) are None, never NaN, so a summary is strict JSON.
 """
 import math
@@ -182,11 +184,12 @@ def summarize(records, n_boot=1000):
 
 
 def retention(conds, metrics, n_boot):
-    """{metric: {"n", "ratio", "ratio_ci"[, "floor_normalized", "floor_normalized_ci"]}} from conds
-    {condition: {item id: record}}: transfer over target (target over transfer where lower is better),
-    and (transfer - floor) / (target - floor), on the items every condition scored, with a paired
-    bootstrap interval (the same resampled items for every condition)."""
-    names = ["transfer", "target"] + (["floor"] if "floor" in conds else [])
+    """{metric: {"n", "ratio", "ratio_ci"[, "floor_normalized", "floor_normalized_ci"][, "gap_recovered",
+    "gap_recovered_ci"]}} from conds {condition: {item id: record}}: transfer over target (target over
+    transfer where lower is better), (transfer - floor) / (target - floor), and the share of the
+    source-to-target gap recovered, (transfer - source) / (target - source), on the items every
+    condition scored, with a paired bootstrap interval (the same resampled items for every condition)."""
+    names = ["transfer", "target"] + [c for c in ("floor", "source") if c in conds]
     common = _common(conds, names)
     ret = {}
     for m in metrics:
@@ -200,15 +203,22 @@ def retention(conds, metrics, n_boot):
             v = values(*cs)
             return _div(v[1], v[0]) if m in LOWER_IS_BETTER else _div(v[0], v[1])
 
-        def floor_ratio(*cs):
+        def floor_ratio(*cs, base="floor"):
             v = values(*cs)
-            return None if None in v else _div(v[0] - v[2], v[1] - v[2])
+            j = names.index(base)
+            return None if None in v else _div(v[0] - v[j], v[1] - v[j])
+
+        def gap(*cs):  # the share of the source-to-target gap the transfer recovers
+            return floor_ratio(*cs, base="source")
 
         t = [torch.tensor(c, dtype=torch.float64) for c in cols]
         row = {"n": len(common), "ratio": ratio(*t), "ratio_ci": bootstrap(ratio, cols, n_boot)}
         if "floor" in conds:
             row["floor_normalized"] = floor_ratio(*t)
             row["floor_normalized_ci"] = bootstrap(floor_ratio, cols, n_boot)
+        if "source" in conds:
+            row["gap_recovered"] = gap(*t)
+            row["gap_recovered_ci"] = bootstrap(gap, cols, n_boot)
         ret[m] = row
     return ret
 
@@ -239,12 +249,15 @@ def average_retention(records, n_boot=1000, seed=0):
             cols[task] = {c: torch.tensor([conds[c][i][metric] for i in ids], dtype=torch.float64) for c in conds}
     entered = list(cols)
     floor_tasks = [t for t in entered if "floor" in cols[t] and cols[t]["floor"].mean() != cols[t]["target"].mean()]
+    gap_tasks = [t for t in entered if "source" in cols[t] and cols[t]["source"].mean() != cols[t]["target"].mean()]
     names = [c for c in ("target", "transfer", "source", "floor") if all(c in cols[t] for t in entered)]
 
     def means(score):  # task -> condition -> mean score, 0-d or (n_boot,) -> {quantity: mean over tasks}
         per_task = {"retention": [score[t]["transfer"] / score[t]["target"] for t in entered],
                     "floor_normalized": [(score[t]["transfer"] - score[t]["floor"])
                                          / (score[t]["target"] - score[t]["floor"]) for t in floor_tasks],
+                    "gap_recovered": [(score[t]["transfer"] - score[t]["source"])
+                                      / (score[t]["target"] - score[t]["source"]) for t in gap_tasks],
                     **{c: [score[t][c] for t in entered] for c in names}}
         return {k: torch.stack(v).mean(0) if v else None for k, v in per_task.items()}
 
@@ -256,7 +269,7 @@ def average_retention(records, n_boot=1000, seed=0):
         resampled[t] = {c: v[idx].mean(1) for c, v in col.items()}       # (n_boot,)
     boot = means(resampled)
     out = {"tasks": entered, "skipped": skipped, "metric": {t: tasks.get(t).primary for t in entered},
-           "n": {t: len(cols[t]["target"]) for t in entered}, "floor_tasks": floor_tasks,
+           "n": {t: len(cols[t]["target"]) for t in entered}, "floor_tasks": floor_tasks, "gap_tasks": gap_tasks,
            "accuracy": {}, "accuracy_ci": {}}
     for k in point:
         value = None if point[k] is None else point[k].item()

@@ -18,8 +18,9 @@ model_args (comma-separated key=value, as for any harness model):
     condition        target (the target's own prefill), source (the source alone), or transfer (the source
                      prefills the context, the mapper carries its cache to the target, which runs the last
                      context token and scores or generates the continuation; kvt.harness.evals.transfer)
-    recompute_last, recompute_first, recompute_frac, recompute_by
-                     transfer with a recompute budget (kvt.handoff.Recompute; kvt run's options)
+    recompute_last, recompute_first, recompute_frac, recompute_by, recompute_rank
+                     transfer with a recompute budget (kvt.harness.recompute.Recompute; kvt run's options:
+                     recompute_by attention, suffix, rank, random or error, the oracle; recompute_rank r)
     mapper           a saved mapper file; without it, the mapper `kvt run` would make with its defaults is
                      calibrated (or reused) in out=DIR (default runs/<source>_<target>, as kvt run's)
     calib, calib_seqs, calib_len, data_dir   that calibration's text (a file or folder), size and data folder
@@ -53,7 +54,7 @@ import kvt.evals
 from kvt.harness import dist, evals, pipeline, report, tasks
 from kvt.config import KvtError, find_weights, load_config, parse_pair, plain_requested
 from kvt.harness.data import calibration_sequences, check_same_tokenizer
-from kvt.handoff import Recompute
+from kvt.harness.recompute import RANK, RULES, budget as recompute_budget, rank_sequences
 from kvt.harness.files import load_mapper
 from kvt.loading import layer_devices
 from kvt.harness.summary import average_retention, summarize
@@ -67,7 +68,7 @@ except ImportError as e:  # an optional extra, never a requirement of kvt itself
     raise KvtError(f"kvt.integrations.lm_eval needs lm-evaluation-harness ({e}); pip install 'kvt[lmeval]'") from None
 
 CONDITIONS = ("target", "source", "transfer")
-RECOMPUTE_BY = ("attention", "suffix")
+RECOMPUTE_BY = RULES
 
 
 def model_arg(key, value, kind=int, least=None, most=None):
@@ -85,12 +86,17 @@ def model_arg(key, value, kind=int, least=None, most=None):
     return v
 
 
+def run_calibration(s, tok):
+    """The calibration sequences `kvt run` draws with Settings s (its --calib, --calib-seqs, --calib-len, seed)."""
+    return calibration_sequences(s.calib, tok, s.calib_seqs, s.calib_len, seed=s.seed,
+                                 documents=pipeline.toy_calibration_text(s))
+
+
 def mapper_for(s, pair):
     """The mapper `kvt run` makes with Settings s (--source, --target, --out and the run's defaults) for the
     loaded pair: reused from s.out when it is there, else calibrated and saved there (pipeline.get_mapper;
     s.plain: --plain's)."""
-    seqs = calibration_sequences(s.calib, pair.tok, s.calib_seqs, s.calib_len, seed=s.seed,
-                                 documents=pipeline.toy_calibration_text(s))
+    seqs = run_calibration(s, pair.tok)
     skey = pipeline.stats_key(s, s.source, s.target, seqs)
     s.out.mkdir(parents=True, exist_ok=True)
     mapper, _ = pipeline.get_mapper(s, pair, seqs, s.out, skey)
@@ -102,7 +108,7 @@ class KvtLM(LM):
     """An lm-evaluation-harness model answering every request under one kvt condition (the module docstring)."""
 
     def __init__(self, source=None, target=None, pair=None, weights=None, condition="target", mapper=None, out=None,
-                 recompute_last=0, recompute_first=0, recompute_frac=0.0, recompute_by="attention",
+                 recompute_last=0, recompute_first=0, recompute_frac=0.0, recompute_by="attention", recompute_rank=RANK,
                  calib=None, calib_seqs=None, calib_len=None, data_dir=None, dtype=None, device=None, batch_size=1,
                  max_length=None, rolling_context=1, plain=False,
                  max_batch_size=None):  # max_batch_size: the harness's, unused
@@ -112,6 +118,7 @@ class KvtLM(LM):
         recompute_last, recompute_first = (model_arg(k, v, int, 0) for k, v in
                                            (("recompute_last", recompute_last), ("recompute_first", recompute_first)))
         recompute_frac = model_arg("recompute_frac", recompute_frac, float, 0, 1)
+        recompute_rank = model_arg("recompute_rank", recompute_rank, int, 1)
         if recompute_by not in RECOMPUTE_BY:
             raise KvtError(f"model_args recompute_by={recompute_by}: use one of {', '.join(RECOMPUTE_BY)}")
         if condition != "transfer" and (mapper or recompute_last or recompute_first or recompute_frac):
@@ -161,18 +168,22 @@ class KvtLM(LM):
         else:
             check_same_tokenizer(kvt.load_tokenizer(source), self.tok)
             src_model, tgt_model = load(source), load(target)
+            out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
+            s = pipeline.Settings(source=Path(source), target=Path(target), out=Path(out),   # the run's defaults
+                                  calib=[Path(calib)] if calib else None, calib_seqs=calib_seqs or None,
+                                  calib_len=calib_len or None, plain=plain,
+                                  **({"data_dir": Path(data_dir)} if data_dir else {}))
             if mapper:
                 m = load_mapper(mapper, src_model.config, tgt_model.config, self.tok.fingerprint())
                 check_pair_weights(m, src_model, tgt_model, f"mapper={mapper}")
             else:
-                out = out or Path("runs") / f"{Path(source).name}_{Path(target).name}"
-                s = pipeline.Settings(source=Path(source), target=Path(target), out=Path(out),   # the run's defaults
-                                      calib=[Path(calib)] if calib else None, calib_seqs=calib_seqs or None,
-                                      calib_len=calib_len or None, plain=plain,
-                                      **({"data_dir": Path(data_dir)} if data_dir else {}))
                 m = mapper_for(s, pipeline.Pair(src_model, tgt_model, self.tok, dtype))
             m = m.to(dtype=dtype).place(layer_devices(tgt_model))
-            budget = Recompute(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by)
+            seqs = None
+            if recompute_frac and recompute_by == "rank":             # the subspaces from the run's calibration text
+                seqs = rank_sequences(run_calibration(s, self.tok))
+            budget = recompute_budget(int(recompute_last), int(recompute_first), float(recompute_frac), recompute_by,
+                                      source=src_model, target=tgt_model, mapper=m, calib_seqs=seqs, r=recompute_rank)
             self.cond = evals.Condition(tgt_model, evals.transfer(src_model, tgt_model, m, budget, plain), plain=plain)
         self.max_length = max_length or limit
 
