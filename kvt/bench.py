@@ -74,7 +74,8 @@ def transfer_step(target, mapper, cache, ids, n, frac=0.0, plain=False):
     n - 1 tokens (a crop of `cache`), the target recomputing the last `frac` of those slots (if any) and
     running token n itself (plain: take_over's). Returns its logits and cache."""
     budget = Recompute(last=math.ceil(frac * (n - 1)))               # the last slots: recompute's cost, timed
-    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], budget, ids[:, :n - 1], plain)
+    return take_over(target, mapper, cache.crop(0, n - 1), ids[:, n - 1:n], recompute=budget, prompt_ids=ids[:, :n - 1],
+                     plain=plain)
 
 
 def time_side_by_side(target, mapper, cache, ids, n, repeats=3, also=(), plain=False):

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from kvt import rope
-from kvt.ridge import solvable, sse, unsolvable
+from kvt.ridge import solvable, sse
 
 
 @torch.no_grad()
@@ -58,13 +58,8 @@ def whitened_weights(eig, lam, metric):
 def best_lambda(eig, val, lams, t, metric, skipped=None):
     """ridge.best_lambda with whitened_weights: (validation error, lambda, W, b) of the solvable lambda with
     the smallest error on the validation sums val (identity metric; ties keep the smaller lambda)."""
-    good, bad = solvable(eig, lams)
-    if not good:
-        raise unsolvable(f"target layer {t}", lams)
-    if bad and skipped is not None:
-        skipped[t] = bad
     best = None
-    for lam in good:
+    for lam in solvable(eig, lams, f"target layer {t}", skipped, t):
         W, b = whitened_weights(eig, lam, metric)
         err = sse(val, W, b).sum().item()
         if best is None or err < best[0]:
