@@ -92,6 +92,10 @@ OVER_PARAMS = {
     "harness/bench.py:rows": "the bench's measurements by kind; not yet a dataclass",
     "harness/bench.py:bench": "the bench's options; not yet a dataclass",
     "harness/bench.py:bench_lean": "the bench's options; not yet a dataclass",
+    "harness/calibration.py:calibrate": "issue #66's one calibrate added `mapper` beside batch_size and options; "
+                                        "batch_size belongs in CalibrationOptions (30 callers)",
+    "harness/attnfit.py:fit_layers": "issue #65's query metric beside the alphas it fills; not yet a dataclass",
+    "harness/recompute.py:budget": "issue #65's rule factory, keyword-only past `by`; not yet a dataclass",
 }
 
 
