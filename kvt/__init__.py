@@ -15,7 +15,7 @@ The layout shows the architecture (tests/test_layout.py checks that the data flo
 __version__ = "0.3.0"  # 0.3: the harness, integrations and teaching kit moved into folders
 
 from kvt.config import KvtError, load_config, shape  # noqa: E402
-from kvt.fast import generate  # noqa: E402  (greedy decoding; by default the fast twin, plain=True: model.generate)
+from kvt.fast import generate  # noqa: E402  (greedy decoding; by default the fast twin, plain=True: decode.generate)
 from kvt.loading import build_model, load_model  # noqa: E402
 from kvt.weights import save_model  # noqa: E402
 from kvt.tokenizer import load_tokenizer  # noqa: E402

@@ -8,7 +8,7 @@ carries its position; `positions` records those positions and `mask` which slots
 The cache owns its writes and the attention over them: a forward step asks for the cache it will
 return (grow), each attention layer hands it that step's keys and values (update: torch.cat after the
 cached ones, so the cache the step started from is left as it was; or, for a recompute, in place at
-given slots) and attends over them (attend). select, expand and crop return views: no copy.
+given slots) and attends over them (attend).
 (kvt/fast.py's Reserved appends in place into free slots it owns, as gpt-fast does.)
 """
 from dataclasses import dataclass, replace
@@ -16,9 +16,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from kvt.views import CacheViews
+
 
 @dataclass
-class Cache:
+class Cache(CacheViews):  # select, expand, crop, to: copies and views for the harness, kvt/views.py
     keys: list          # L x (B, Hkv, T, D), post-RoPE
     values: list        # L x (B, Hkv, T, D)
     positions: torch.Tensor  # (B, T) long
@@ -52,31 +54,6 @@ class Cache:
         (a plain prefill) or every slot (one new token). Returns (B, H, T, D)."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
-
-    def _map(self, fn, time_fn=None):
-        """A new (plain) Cache with fn applied to every tensor (keys/values/queries on dim 0 and 2, the rest
-        on 0/1); its tensors may be views of this cache's."""
-        queries = None if self.queries is None else [fn(q) for q in self.queries]
-        return Cache([fn(k) for k in self.keys], [fn(v) for v in self.values],
-                     (time_fn or fn)(self.positions), (time_fn or fn)(self.mask), queries, self.full)
-
-    def select(self, idx):
-        """Rows idx of the batch."""
-        return self._map(lambda t: t[idx])
-
-    def expand(self, n):
-        """A batch-1 cache repeated n times (views, no copy): one context, n continuations."""
-        assert self.positions.shape[0] == 1, "expand needs a batch-1 cache"
-        return self._map(lambda t: t.expand(n, *t.shape[1:]))
-
-    def crop(self, t0, t1):
-        """Time slots [t0, t1)."""
-        return self._map(lambda t: t[:, :, t0:t1], time_fn=lambda t: t[:, t0:t1])
-
-    def to(self, device=None, dtype=None):
-        def move(t):
-            return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
-        return self._map(move)
 
 
 def empty(n_layers, batch, device=None):

@@ -12,34 +12,15 @@
    stacked into a Mapper (mapper.from_fits); mapper="mlp": the paper's MLP backstop instead, on the
    same layers (mlp.add_mlp).
 
-Statistics go through the fast adder unless run.plain (fast.adder). `run` holds what a long run passes
-in (checkpoints, resume, data parallelism, bounded memory): run.py's comes from kvt/harness/calibration.py.
+Statistics go through the fast adder unless run.plain (fast.adder). `run` (config.Run) holds what a long
+run passes in (checkpoints, resume, data parallelism, bounded memory): kvt/harness/calibration.py's.
 """
-from dataclasses import dataclass
-from typing import Callable
-
 from kvt import fast, ridge
-from kvt.config import check_matched_kv, matched_kv
+from kvt.config import Run, check_matched_kv, matched_kv  # Run: what a long run passes in
 from kvt.mapper import from_fits
 from kvt.mlp import Schedule, add_mlp
 from kvt.stats import KINDS, accumulate, layers_used, new_stats
 from kvt.weights import weights_meta
-
-
-@dataclass(frozen=True)
-class Run:
-    """How the steps run: what a long run passes in (each None is the plain step; a hook returns what its
-    step would), the batch size and the path (plain)."""
-    sums: Callable = None      # (name "pass1"/"pass2", scope, src_layers, tgt_layers) -> Stats summed over calib
-    candidates: list = None    # the source layers to select from (None: all)
-    select: Callable = None    # a layer-selection rule (stats, kind, k, lams) -> (Lt, k), instead of the paper's
-    groups: Callable = None    # selected -> lists of target layers, one layer-level pass each (None: one pass)
-    fitted: Callable = None    # (selected, targets, lams, fit) -> fit(), or the fits a run saved of it
-    fit: Callable = None       # step 4 from the first pass: (stats, selected, lams, skipped) -> fits
-    train_mlp: Callable = None  # (kind, l, train) -> train() or the MLP a run saved: (params, loss)
-    batch_size: int = 1        # calibration sequences per forward pass
-    plain: bool = False        # the plain path's float64 products (stats.add_batches), not fast.add_batches
-    progress: bool = False
 
 
 def calibrate(source, target, calib, scope="layer", k=8, lam=None, mapper="ridge", run=Run()):

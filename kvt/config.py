@@ -7,6 +7,8 @@ Three dense families share one decoder (see model.py); config.json tells them ap
 
 Both transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) spellings are read.
 What kvt does not implement is refused with a one-line KvtError naming the key, never ignored.
+Beside the model's: the checks a fit's statistics and ridge systems pass (ridge.py), and the options
+of the method's steps, calibrate's Run and mlp.train's Schedule.
 """
 import hashlib
 import json
@@ -15,6 +17,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -430,3 +433,67 @@ def check_cache(cache, cfg, batch):
                        "made for this pair (kvt.mapper) before continuing from it")
     if cache.positions.shape[0] != batch:
         raise KvtError(f"the cache holds {cache.positions.shape[0]} rows, the input {batch}; pass one row per cached sequence")
+
+
+# ---- calibration statistics and the ridge systems (ridge.py checks them) -------------------------------------
+
+def check_sums(stats):
+    """Statistics to fit on: validation tokens present (the lambda and layer choices read them), finite sums."""
+    if stats.part("k", "val").n < 1:
+        raise KvtError("no validation tokens; calibration needs a validation region (data.Calibration.val)")
+    check_finite(stats)
+
+
+def check_finite(stats):
+    """NaN or inf in the sums means a model produced non-finite KV: refuse to fit on it."""
+    for name, s in stats.sums.items():
+        for f, t in vars(s).items():
+            if not torch.isfinite(t).all():
+                raise KvtError(f"calibration statistics {name}.{f} contain NaN/inf: a model produced non-finite KV; "
+                               "run the models in float32 (--dtype float32) and recalibrate")
+
+
+def solvable(eig, lams, what, skipped=None, at=None):
+    """The lambdas of lams at which ridge.eigen()'s system can be solved (every e + lam > 0): a rank-deficient
+    R has eigenvalues at zero, rounding can put some a hair below, so the smallest lambdas may fail where
+    the larger ones are fine. The others are listed in skipped[at] (when given); none left is an error."""
+    low = eig[0].min().item()
+    good, bad = [lam for lam in lams if low + lam > 0], [lam for lam in lams if low + lam <= 0]
+    if not good:
+        raise KvtError(f"ridge system of {what} is singular at every lambda ({', '.join(f'{lam:g}' for lam in lams)}); "
+                       "use a larger --lam or calibrate on more tokens")
+    if bad and skipped is not None:
+        skipped[at] = bad
+    return good
+
+
+# ---- options of the method's steps: calibrate's Run, mlp.train's Schedule -----------------------------------
+
+@dataclass(frozen=True)
+class Run:
+    """How the steps run: what a long run passes in (each None is the plain step; a hook returns what its
+    step would), the batch size and the path (plain)."""
+    sums: Callable = None      # (name "pass1"/"pass2", scope, src_layers, tgt_layers) -> Stats summed over calib
+    candidates: list = None    # the source layers to select from (None: all)
+    select: Callable = None    # a layer-selection rule (stats, kind, k, lams) -> (Lt, k), instead of the paper's
+    groups: Callable = None    # selected -> lists of target layers, one layer-level pass each (None: one pass)
+    fitted: Callable = None    # (selected, targets, lams, fit) -> fit(), or the fits a run saved of it
+    fit: Callable = None       # step 4 from the first pass: (stats, selected, lams, skipped) -> fits
+    train_mlp: Callable = None  # (kind, l, train) -> train() or the MLP a run saved: (params, loss)
+    batch_size: int = 1        # calibration sequences per forward pass
+    plain: bool = False        # the plain path's float64 products (stats.add_batches), not fast.add_batches
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How train trains. The paper states no schedule: these defaults bound a CPU run of the paper's size
+    to minutes per layer."""
+    lr: float = 1e-3              # AdamW's learning rate
+    weight_decay: float = 0.01
+    batch: int = 1024             # tokens per step
+    max_epochs: int = 30
+    patience: int = 3             # epochs without a 1% gain in validation MSE before training stops
+    seed: int = 0                 # of the initial weights and the batches' order
+    sample_bytes: int = 2 * 2**30  # float32 features add_mlp samples from the fit region (a tenth from validation)
+    progress: bool = False        # a progress bar while sampling them

@@ -8,14 +8,14 @@ of its own benchmark (`python -m tests.bench_fast`; docs/speed.md has the rows):
     cache.Cache.update (torch.cat)             Reserved.update: appended in place into owned free slots
     cache.Cache.attend (torch's fused kernel)  Reserved.attend: one bf16/fp16 query, a CPU without AMX, in float32
     nn.Linear's forward (F.linear)             one_row_linears: one bf16/fp16 row, a CPU with AMX, as torch.mv
-    model.generate                             generate: one Reserved copy, then appends in place
+    decode.generate                            generate: one Reserved copy, then appends in place
     stats.add_batches (Sums.add_, float64)     add_batches: centered float32 products, upper part, Pending
     Mapper.apply / Mapper.map_layer            apply / map_layer: tiles, one GEMM with the bias, in place
     rope.rotate (in apply)                     rotate_into: float32, no cat or neg, rounded once into the cache
     (glibc's default malloc)                   keep_freed_memory: a freed cache's memory kept for the next
 
 Which path runs is one switch, the keyword `plain`, with one default everywhere: the fast twins.
-Three functions here branch on it: map_cache (Mapper.apply or apply), generate (model.generate or the
+Three functions here branch on it: map_cache (Mapper.apply or apply), generate (decode.generate or the
 reserved-cache one) and adder (stats.add_batches or add_batches); a fourth branch is handoff.take_over's, which
 runs the last token inside one_row_linears unless plain. Every function that calls them (handoff,
 take_over, diagnose, kvt.generate, evals' conditions, hf.transfer; calibrate in its Run) takes `plain=False`
@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from kvt import model as model_
+from kvt import decode
 from kvt import rope
 from kvt.cache import Cache
 from kvt.capture import layer_features, unfeatures
@@ -154,13 +154,13 @@ def one_query_attention(q, k, v, attn_mask=None):
 
 
 def generate(model, logits, cache, max_new_tokens, plain=False, **kw):
-    """Greedy decoding, model.generate's (its keywords in kw): by default from one copy of the cache that
+    """Greedy decoding, decode.generate's (its keywords in kw): by default from one copy of the cache that
     owns room for every new token (reserve), each step appended in place and attended by
-    Reserved.attend, its linears in one_row_linears; plain: model.generate itself, on `cache`."""
+    Reserved.attend, its linears in one_row_linears; plain: decode.generate itself, on `cache`."""
     if plain:
-        return model_.generate(model, logits, cache, max_new_tokens, **kw)
+        return decode.generate(model, logits, cache, max_new_tokens, **kw)
     with one_row_linears(model):
-        return model_.generate(model, logits, reserve(cache, max(0, max_new_tokens - 1)), max_new_tokens, **kw)
+        return decode.generate(model, logits, reserve(cache, max(0, max_new_tokens - 1)), max_new_tokens, **kw)
 
 
 # ---- calibration statistics: centered float32 products, held between flushes --------------------------
@@ -173,7 +173,7 @@ def path_line(plain=False):
     """The line run.py prints first and report.md keeps: which path ran, the fast twins or the plain one."""
     if plain:
         return ("path: plain (--plain): every step runs the reading order's own functions (Sums.add_, Mapper.apply, "
-                "Cache.update and Cache.attend, model.generate); no twin of kvt/fast.py runs")
+                "Cache.update and Cache.attend, decode.generate); no twin of kvt/fast.py runs")
     return ("path: fast twins (kvt/fast.py, each tested equal to its plain function): fast.add_batches for Sums.add_, "
             "fast.apply for Mapper.apply, a reserved cache for Cache.update; --plain runs the reading order's own")
 

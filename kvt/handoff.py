@@ -7,17 +7,9 @@ the target then runs the last prompt token itself, so its first logits are its o
 mapped context (not a mapped hidden state). Then `target(next_ids, cache=cache)` continues as usual.
 
 Selective recompute (kvt's option, beyond the paper; CacheBlend does it within one model): after
-mapping, the target recomputes the K and V of a budget of the mapped slots itself, layer by layer,
-each recomputed token attending to the mapped slots and the recomputed ones before it, and keeps the
-mapped KV elsewhere. Recompute(last=r) takes the r slots before the final token (a wider handoff),
-first=s the first s (attention sinks); a budget is anything with Recompute's choose(), which picks the
-slots once the map has run. The rules that pick slots by a score (the source's attention, the map's
-disagreement with its calibration subspace, random, the map's error) are kvt's options beside this
-plain one: kvt/harness/recompute.py. Recomputing every slot is the target's own prefill.
-
-plain=True runs the plain path (Mapper.apply, then Cache.update's concatenation and Cache.attend); by
-default the map is its fast twin, whose cache appends the last token in place (fast.map_cache). How
-good a mapper is, and whether to use it: kvt/harness/diagnose.py.
+mapping, the target recomputes the K and V of a budget of the mapped slots itself (Recompute: the last
+r, a wider handoff, and the first s, attention sinks), keeping the mapped KV elsewhere. The rules that
+pick slots by a score: kvt/harness/recompute.py. How good a mapper is: kvt/harness/diagnose.py.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,13 +18,8 @@ import torch
 
 from kvt import fast
 from kvt.config import KvtError
-from kvt.loading import layer_devices
+from kvt.loading import dtype_device, layer_devices
 from kvt.weights import check_pair_weights
-
-
-def _dtype_device(model):
-    p = next(model.parameters())
-    return p.dtype, p.device
 
 
 @dataclass(frozen=True)
@@ -83,7 +70,7 @@ def take_over(target, mapper, src_cache, last_ids, last_mask=None, recompute=Rec
     (fast.map_cache with room for the last token: a fast.Reserved, which appends it in place and attends
     to it; its linears in fast.one_row_linears)."""
     check_pair_weights(mapper, None, target)
-    dtype, device = _dtype_device(target)
+    dtype, device = dtype_device(target)
     cache = fast.map_cache(mapper, src_cache, layer_devices(target), dtype, room=1, plain=plain)
     slots = recompute.choose(src_cache, cache, prompt_ids) if recompute else []
     if len(slots):

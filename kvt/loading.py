@@ -109,6 +109,12 @@ def layer_devices(model):
     return [block.input_layernorm.weight.device for block in model.model.layers]
 
 
+def dtype_device(model):
+    """(dtype, device) of a model's first parameter: where its input goes."""
+    p = next(model.parameters())
+    return p.dtype, p.device
+
+
 class MapperWeights:
     """The plumbing kvt.mapper.Mapper inherits, beside its method (Mapper.apply): its tensors by the names
     they have in a file, copies moved (to) or placed across devices (place), its size."""

@@ -9,15 +9,13 @@ layers' position-free K (or V), all heads (N, k * Hkv * D); outputs the target l
 Trained with AdamW on a bounded sample of calibration tokens, stopping early on validation loss, on
 standardized inputs and outputs whose scalings are folded into the first and last layers after.
 """
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvt.capture import capture, features
-from kvt.config import KvtError
+from kvt.config import KvtError, Schedule  # Schedule: how train() trains
 from kvt.stats import KINDS
 
 PAPER_HIDDEN = (1024, 1024)  # two hidden layers of 1,024 units (the paper's backstop)
@@ -36,20 +34,6 @@ def forward(p, x):
         if i < last:
             x = F.gelu(x)
     return x
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How train trains. The paper states no schedule: these defaults bound a CPU run of the paper's size
-    to minutes per layer."""
-    lr: float = 1e-3              # AdamW's learning rate
-    weight_decay: float = 0.01
-    batch: int = 1024             # tokens per step
-    max_epochs: int = 30
-    patience: int = 3             # epochs without a 1% gain in validation MSE before training stops
-    seed: int = 0                 # of the initial weights and the batches' order
-    sample_bytes: int = 2 * 2**30  # float32 features add_mlp samples from the fit region (a tenth from validation)
-    progress: bool = False        # a progress bar while sampling them
 
 
 def train(x_fit, y_fit, x_val, y_val, hidden=PAPER_HIDDEN, schedule=Schedule()):

@@ -22,8 +22,8 @@ pooled over the groups and dims of one target layer (the fraction of its varianc
 """
 import torch
 
-from kvt.config import KvtError
-from kvt.stats import KINDS, blocks, check_finite
+from kvt.config import KvtError, check_sums, solvable
+from kvt.stats import KINDS, blocks
 
 LAMBDAS = tuple(10.0 ** e for e in range(-6, 3))  # 1e-6 .. 100: the grid each target layer picks from
 
@@ -53,20 +53,6 @@ def weights(eig, lam):
     return W, b
 
 
-def solvable(eig, lams, what, skipped=None, at=None):
-    """The lambdas of lams at which eigen()'s system can be solved (every e + lam > 0): a rank-deficient R
-    has eigenvalues at zero, rounding can put some a hair below, so the smallest lambdas may fail where
-    the larger ones are fine. The others are listed in skipped[at] (when given); none left is an error."""
-    low = eig[0].min().item()
-    good, bad = [lam for lam in lams if low + lam > 0], [lam for lam in lams if low + lam <= 0]
-    if not good:
-        raise KvtError(f"ridge system of {what} is singular at every lambda ({', '.join(f'{lam:g}' for lam in lams)}); "
-                       "use a larger --lam or calibrate on more tokens")
-    if bad and skipped is not None:
-        skipped[at] = bad
-    return good
-
-
 def solve(s, lam):
     """Ridge fit from Sums s at one lambda: W (G, F, O), b (G, O)."""
     return weights(eigen(s), lam)
@@ -84,19 +70,13 @@ def sst(s):
     return s.syy - s.sy * s.sy / s.n
 
 
-def _check_val(stats):
-    if stats.part("k", "val").n < 1:
-        raise KvtError("no validation tokens; calibration needs a validation region (data.Calibration.val)")
-    check_finite(stats)
-
-
 def single_layer_r2(stats, kind, lams=LAMBDAS, skipped=None):
     """Validation R^2 of fitting each target layer of stats from each single source layer, at the best
     lambda of `lams` for that pair of layers: (Ls, Lt), rows in stats.src_layers order, columns in
     stats.tgt_layers order. One eigendecomposition per source layer serves every target layer and lambda.
     Lambdas at which a source layer's system is singular are skipped (and listed in `skipped`, a dict
     source layer -> lambdas, when given); a layer singular at every lambda is an error."""
-    _check_val(stats)
+    check_sums(stats)                                                 # val tokens, finite sums (config.py)
     fit, val = stats.part(kind, "fit"), stats.part(kind, "val")
     G, Lt, by = fit.sy.shape[0], len(stats.tgt_layers), stats.by
     total = sst(val).view(G, Lt, by).sum((0, 2))                     # (Lt,)
@@ -133,7 +113,7 @@ def fit_layers(stats, kind, selected, lams=LAMBDAS, skipped=None, host=False):
     Returns {target layer: (W (G, k*Bx, By), b (G, By), validation R^2, lambda)}: W and b in float64 on
     the statistics' device, or with host=True in float32 on the CPU as each is fitted (the mapper's
     form), so that the device holds no fitted weights beside the statistics."""
-    _check_val(stats)
+    check_sums(stats)                                                 # val tokens, finite sums (config.py)
     fit, val = stats.part(kind, "fit"), stats.part(kind, "val")
     where = {l: i for i, l in enumerate(stats.src_layers)}
     out = {}

@@ -153,11 +153,3 @@ def accumulate(source, target, calib, stats, batch_size=1, add=add_batches):
     add(stats, batches) adds them (add_batches, float64 products; fast.add_batches, its twin). Returns stats."""
     return add(stats, batches(source, target, calib, batch_size))
 
-
-def check_finite(stats):
-    """NaN or inf in the sums means a model produced non-finite KV: refuse to fit on it."""
-    for name, s in stats.sums.items():
-        for f in FIELDS:
-            if not torch.isfinite(getattr(s, f)).all():
-                raise KvtError(f"calibration statistics {name}.{f} contain NaN/inf: a model produced non-finite KV; "
-                               "run the models in float32 (--dtype float32) and recalibrate")

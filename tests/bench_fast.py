@@ -2,7 +2,7 @@
 then `--repeats`; medians, and the ratio per round): the figures behind tutorial section 11's list.
 
     python -m tests.bench_fast apply  --scope head --tokens 1024 --dtype float32    # Mapper.apply vs fast.apply (tiles)
-    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # fast.generate vs model.generate, and the one-token step's kernels with and without AMX
+    python -m tests.bench_fast decode --shape qwen3-0.6b --tokens 1024 --steps 8     # fast.generate vs decode.generate, and the one-token step's kernels with and without AMX
     python -m tests.bench_fast stats  --tokens 1024                                  # calibration statistics: fast.add_batches vs stats.add_batches
     python -m tests.bench_fast stream --shape qwen3-1.7b --tokens 2048               # copy vs read-only vs the one-token step, GB/s
     python -m tests.bench_fast step   --shape qwen3-1.7b --tokens 2048 --dtype bfloat16  # one token after 2K: Reserved vs plain Cache
@@ -80,7 +80,7 @@ def decode_fns(name, n, steps, dtype):
                 fast.AMX = choice
         return go
     return {f"fast.generate (this CPU: AMX {fast.AMX})": run(False),
-            "model.generate (plain: torch.cat, F.linear, scaled_dot_product_attention)": run(True),
+            "decode.generate (plain: torch.cat, F.linear, scaled_dot_product_attention)": run(True),
             "fast.generate as without AMX (F.linear, one_query_attention)": run(False, amx=False),
             "fast.generate as with AMX (torch.mv for one row, scaled_dot_product_attention)": run(False, amx=True)}
 

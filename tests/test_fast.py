@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvt
-from kvt import fast, model, stats
+from kvt import decode, fast, stats
 from kvt.harness.bench import random_mapper
 from kvt.cache import Cache
 from kvt.handoff import take_over
@@ -186,7 +186,7 @@ def test_streamed_statistics_fast_equal_plain(pair):
 def test_handoff_and_generate_plain_equal_fast(pair, dtype, scope):
     """The target's side of a handoff (fast.apply, room for the last token appended in place) and greedy
     decoding (fast.generate: a reserved cache appended in place) equal the plain path's (Mapper.apply,
-    Cache.update's concatenation, model.generate), batch 2 with left padding. Guards: append_in_place
+    Cache.update's concatenation, decode.generate), batch 2 with left padding. Guards: append_in_place
     writing the new slot over the last cached one."""
     source, target = (m.to(dtype) for m in pair)
     mapper = random_mapper(source.config, target.config, scope, k=2, dtype=dtype, bias=0.1)
@@ -195,7 +195,7 @@ def test_handoff_and_generate_plain_equal_fast(pair, dtype, scope):
     mask[1, :3] = False
     _, src_cache = source(ids[:, :-1], mask=mask[:, :-1], last=True)
     results = {}
-    for path, generate in (("fast", fast.generate), ("plain", model.generate)):
+    for path, generate in (("fast", fast.generate), ("plain", decode.generate)):
         logits, cache = take_over(target, mapper, src_cache, ids[:, -1:], mask[:, -1:], plain=path == "plain")
         tokens = generate(target, logits[:, -1], cache, 6)
         results[path] = logits, cache, tokens

@@ -10,7 +10,7 @@ import kvt
 KVT = Path(kvt.__file__).parent
 # Each layer in the order data flows; a module may import from earlier layers and from earlier modules of its own.
 LAYERS = {
-    "": ["config", "rope", "tokenizer", "weights", "cache", "model", "loading", "capture", "stats", "ridge", "mlp",
+    "": ["config", "rope", "tokenizer", "weights", "views", "cache", "model", "decode", "loading", "capture", "stats", "ridge", "mlp",
          "mapper", "fast", "calibrate", "handoff", "evals", "bench"],
     "harness": ["data", "dist", "files", "plan", "whiten", "attnfit", "calibration", "toy", "diagnose", "answers",
                 "tasks", "summary", "recompute", "evals", "figures", "bench", "costs", "settings", "records", "report",

@@ -188,12 +188,12 @@ def calls(functions):
 
 def reading_order():
     """The functions of README's reading order that a run.py run of the method needs, by name."""
-    from kvt import cache, calibrate, capture, handoff, mapper, model, ridge, rope, stats
+    from kvt import cache, calibrate, capture, decode, handoff, mapper, ridge, rope, stats
     return {"calibrate": calibrate.calibrate, "Sums.add_": stats.Sums.add_, "pick_layers": ridge.pick_layers,
             "fit_layers": ridge.fit_layers, "from_fits": mapper.from_fits, "Mapper.apply": mapper.Mapper.apply,
             "handoff": handoff.handoff, "take_over": handoff.take_over, "Cache.update": cache.Cache.update,
             "Cache.attend": cache.Cache.attend, "rope.strip": rope.strip, "rope.rotate": rope.rotate,
-            "capture": capture.capture, "generate": model.generate}
+            "capture": capture.capture, "generate": decode.generate}
 
 
 def fast_twins():

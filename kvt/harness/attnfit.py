@@ -44,8 +44,8 @@ import torch
 
 from kvt import rope
 from kvt.capture import features, layer_features
-from kvt.config import KvtError, check_matched_kv
-from kvt.ridge import LAMBDAS, _check_val, best_lambda, eigen, sse, sst
+from kvt.config import KvtError, check_matched_kv, check_sums
+from kvt.ridge import LAMBDAS, best_lambda, eigen, sse, sst
 from kvt.harness import whiten
 from kvt.harness.files import Resumable
 from kvt.stats import KINDS, SPLITS, Sums, blocks, groups
@@ -169,7 +169,7 @@ def fit_layers(stats, wstats, kind, selected, lams=LAMBDAS, skipped=None, host=F
     r-weighted ones at each head's ESS alpha, lambda picked on the weighted validation error. The same
     return value; alphas, when given (a dict), gets target layer -> [alpha per head]. metric (Lt, Hkv,
     D, D), when given: each head's error measured in it (whiten.py, the whitened key fit)."""
-    _check_val(stats)
+    check_sums(stats)
     fit, val = stats.part(kind, "fit"), stats.part(kind, "val")
     wfit, wval = wstats.part(kind, "fit"), wstats.part(kind, "val")
     where = {l: i for i, l in enumerate(stats.src_layers)}

@@ -55,7 +55,7 @@ class Condition:
     model: object           # scores continuations / generates after the prefill
     prefill: object = None  # (ids (B, T)[, mask (B, T)]) -> (last logits (B, V), cache); None: the model's own
     floor: bool = False     # prefill the item's minimal prefix instead of its context
-    plain: bool = False     # fast.generate's: decode with model.generate, not its fast twin
+    plain: bool = False     # fast.generate's: decode with decode.generate, not its fast twin
 
     def __call__(self, ids, mask=None):
         return kvt.evals.prefill(self.model, ids, self.prefill, mask)  # (B, V), cache

@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 
 import kvt
 from kvt.cache import Cache
-from kvt.config import Config, KvtError
+from kvt.config import Config, KvtError, check_finite
 from kvt.fast import mirror_
 from kvt.mapper import Mapper
-from kvt.stats import FIELDS, KINDS, SPLITS, Stats, Sums, check_finite
+from kvt.stats import FIELDS, KINDS, SPLITS, Stats, Sums
 from kvt.weights import unchecked, write_safetensors
 
 

@@ -107,6 +107,31 @@ class Settings:
         return Recompute(self.recompute_last, self.recompute_first, self.recompute_frac, self.recompute_by)
 
 
+def add_evaluation_args(ap):
+    """parse_args' options of the handoff's recompute budget, the held-out NLL measure and the gate."""
+    ap.add_argument("--recompute-last", type=int, help="kvt's option: after mapping, the target "
+                    "recomputes the KV of the last R prompt tokens itself (the last one it always runs)")
+    ap.add_argument("--recompute-first", type=int, help="kvt's option: ... of the first S tokens")
+    ap.add_argument("--recompute-frac", type=float, help="kvt's option: ... of this fraction of the "
+                    "tokens, those the source attended to most while finishing the prompt")
+    ap.add_argument("--recompute-by", choices=list(RULES),
+                    help="which tokens --recompute-frac takes (kvt/harness/recompute.py): the most attended "
+                    "(default), the last ones (suffix), rank (RaReCache's rank disagreement), random (seeded), or "
+                    "error (an oracle: the map's error against the target's true KV, for reference only)")
+    ap.add_argument("--recompute-rank", type=int, help=f"rank's r, the calibration subspace's dimension "
+                    f"(RaReCache: {RANK})")
+    ap.add_argument("--heldout", nargs="*", help="held-out text files for the context-gain measure "
+                    "(NLL of the next --nll-next tokens after --nll-context of context, target / transfer / floor); "
+                    "'toy' for unseen toy-corpus documents; none by default; must not be calibration text")
+    ap.add_argument("--nll-windows", type=int, help="windows per held-out text (default 32)")
+    ap.add_argument("--nll-context", help="comma-separated context lengths (default: 1024; toy 128); those the "
+                    "models cannot hold with --nll-next after them are skipped")
+    ap.add_argument("--nll-next", type=int, help="tokens scored after the context (default 256; toy 64)")
+    ap.add_argument("--min-attn-cos", type=float, help="gate: mean attention-output cosine "
+                    f"(default {MIN_ATTN_COS}, from the gate evidence in docs/real-weights.md)")
+    ap.add_argument("--max-kl", type=float, help=f"gate: next-token KL in nats (default {MAX_KL})")
+
+
 def parse_args(argv=None):
     """argparse's namespace of a `kvt run` command line (Settings.from_args makes the run's Settings of it)."""
     ap = argparse.ArgumentParser(prog="kvt run", description=DESCRIPTION,
@@ -152,27 +177,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-bench", dest="bench", action="store_false")
     ap.add_argument("--bench-lengths", help="context lengths to time (default: toy 256,512,1024; CPU 512..4096; "
                     "GPU up to 32768)")
-    ap.add_argument("--recompute-last", type=int, help="kvt's option: after mapping, the target "
-                    "recomputes the KV of the last R prompt tokens itself (the last one it always runs)")
-    ap.add_argument("--recompute-first", type=int, help="kvt's option: ... of the first S tokens")
-    ap.add_argument("--recompute-frac", type=float, help="kvt's option: ... of this fraction of the "
-                    "tokens, those the source attended to most while finishing the prompt")
-    ap.add_argument("--recompute-by", choices=list(RULES),
-                    help="which tokens --recompute-frac takes (kvt/harness/recompute.py): the most attended "
-                    "(default), the last ones (suffix), rank (RaReCache's rank disagreement), random (seeded), or "
-                    "error (an oracle: the map's error against the target's true KV, for reference only)")
-    ap.add_argument("--recompute-rank", type=int, help=f"rank's r, the calibration subspace's dimension "
-                    f"(RaReCache: {RANK})")
-    ap.add_argument("--heldout", nargs="*", help="held-out text files for the context-gain measure "
-                    "(NLL of the next --nll-next tokens after --nll-context of context, target / transfer / floor); "
-                    "'toy' for unseen toy-corpus documents; none by default; must not be calibration text")
-    ap.add_argument("--nll-windows", type=int, help="windows per held-out text (default 32)")
-    ap.add_argument("--nll-context", help="comma-separated context lengths (default: 1024; toy 128); those the "
-                    "models cannot hold with --nll-next after them are skipped")
-    ap.add_argument("--nll-next", type=int, help="tokens scored after the context (default 256; toy 64)")
-    ap.add_argument("--min-attn-cos", type=float, help="gate: mean attention-output cosine "
-                    f"(default {MIN_ATTN_COS}, from the gate evidence in docs/real-weights.md)")
-    ap.add_argument("--max-kl", type=float, help=f"gate: next-token KL in nats (default {MAX_KL})")
+    add_evaluation_args(ap)
     ap.add_argument("--device")
     ap.add_argument("--devices", help="split both models by layers over these, e.g. cuda:0,cuda:1 (under "
                     "torchrun: shared out among the ranks of a node)")

@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from kvt import rope
-from kvt.ridge import solvable, sse
+from kvt.config import solvable
+from kvt.ridge import sse
 
 
 @torch.no_grad()
