@@ -125,7 +125,7 @@ RULES = [  # (pattern the command must match in full after any ENV, what is done
     (r"python -m kvt\.harness\.figures gate .*", Run(r"^gate fitted on all runs", ("docs/figures/gate-evidence.png",),
                                             needs=("python run.py", *RECOMPUTE, SMOL_RUN))),
     (r"python -m kvt\.harness\.repairs --source weights/toy-s --target weights/toy-m .*",
-     Run(r"^wrote runs/repairs-\S+/report\.md", ("runs/repairs-*/report.md", "runs/repairs-*/results.json"),
+     Run(r"^wrote runs/repairs-\S+/report\.md", ("runs/repairs-*/report.md", "runs/repairs-*/repairs.json"),
          {"--calib-seqs": "8", "--limit": "2", "--agree-prompts": "2", "--budgets": "0,0.5"})),
     (r"python -m kvt\.harness\.repairs --source weights/smollm2-135m\S* .*",
      NotRun("needs the -32k SmolLM2 siblings (docs/real-weights.md: minutes each to build) and about half an hour "

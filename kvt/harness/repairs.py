@@ -24,7 +24,8 @@ before the first difference (the floor: the target from the prompt's last token 
 multiple-choice tasks. Each cell: the mean with a 95% bootstrap interval over items, and beside it retention
 (x / target), floor-normalized ((x - floor) / (target - floor)) and gap recovered ((x - source) /
 (target - source)), each with a paired bootstrap 95% interval (summary.bootstrap). Writes report.md,
-results.json and budget-curves.png (matplotlib, when installed) in --out.
+repairs.json (not run.py's results.json, which the gate figure reads) and budget-curves.png (matplotlib, when
+installed) in --out.
 """
 import argparse
 import json
@@ -243,7 +244,7 @@ def main(argv=None):
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tables", type=Path, help="print the tables of a finished run's results.json and stop")
+    ap.add_argument("--tables", type=Path, help="print the tables of a finished run's repairs.json and stop")
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--tables" in argv:                                                 # no model needed
         done = json.loads(Path(argv[argv.index("--tables") + 1]).read_text())
@@ -290,11 +291,11 @@ def main(argv=None):
     text = (head + "\n" + side_by_side(results, fits, rules, budgets) + "\n\n"
             + "\n\n".join(table(results, col) for col in results) + "\n")
     write_atomic(a.out / "report.md", text)
-    write_atomic(a.out / "results.json", json.dumps({"argv": argv, "hardware": hw, "fits": fits, "rules": rules,
+    write_atomic(a.out / "repairs.json", json.dumps({"argv": argv, "hardware": hw, "fits": fits, "rules": rules,
                                                      "budgets": budgets, "results": results}, indent=1))
     png = figure(results, fits, rules, budgets, a.out / "budget-curves.png")
     print(text)
-    print(f"wrote {a.out / 'report.md'}, results.json" + (f", {png.name}" if png else ""))
+    print(f"wrote {a.out / 'report.md'}, repairs.json" + (f", {png.name}" if png else ""))
     return results
 
 
