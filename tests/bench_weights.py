@@ -25,6 +25,7 @@ import torch
 import kvt
 from kvt import weights
 from kvt.config import load_config, shape
+from kvt.bench import median_times
 from kvt.handoff import handoff
 from kvt.harness.bench import hardware, random_mapper
 from kvt.harness.plan import n_params
@@ -45,18 +46,6 @@ def load_unhashed(path, dtype):
 def fresh_digest(model):
     model.__dict__.pop("kvt_weights", None)              # nothing kept: every tensor hashed from its values
     return weights.model_digest(model)
-
-
-def medians(fns, repeats):
-    """{name: (median, min, max) seconds}: a warm-up of each, then `repeats` rounds of each in turn."""
-    times = {name: [] for name in fns}
-    for r in range(repeats + 1):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            if r:
-                times[name].append(time.perf_counter() - t)
-    return {name: (sorted(ts)[len(ts) // 2], min(ts), max(ts)) for name, ts in times.items()}
 
 
 def main(argv=None):
@@ -90,15 +79,15 @@ def main(argv=None):
                                                             for _ in range(100)],
         "handoff of 128 tokens, for scale (it checks both)": lambda: handoff(kt, kt, mapper, ids),
     }
-    got = medians(fns, a.repeats)
+    got = dict(zip(fns, median_times(list(fns.values()), "cpu", a.repeats)))   # a warm-up, then rounds in turn
     print(f"{a.folder}: {values / 1e6:.1f}M decoder values ({2 * values / 1e9:.2f} GB as bf16); "
           f"{hardware()}; median (min-max) of {a.repeats}")
     print(f"| {'step':<52} | seconds |")
     print(f"|{'-' * 54}|---------|")
-    for name, (m, lo, hi) in got.items():
-        print(f"| {name:<52} | {m:.3f} ({lo:.3f}-{hi:.3f}) |")
-    at_load = got["load_model bfloat16 (hashing at load)"][0] - got["the same load without hashing, bfloat16"][0]
-    rate = values / got["model_digest, nothing kept (kvt, bfloat16)"][0]     # one thread, one tensor after another
+    for name, t in got.items():
+        print(f"| {name:<52} | {t:.3f} ({t.min:.3f}-{t.max:.3f}) |")
+    at_load = got["load_model bfloat16 (hashing at load)"] - got["the same load without hashing, bfloat16"]
+    rate = values / got["model_digest, nothing kept (kvt, bfloat16)"]     # one thread, one tensor after another
     cfg = shape("qwen3-14b")
     big = n_params(cfg)                                           # every value is read from disk
     hashed = big - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)   # the head is not hashed
